@@ -1,0 +1,48 @@
+"""The standard values: declared once, here.
+
+Everything else (envoy properties, ``order(i)``, availability listings, docs, tests)
+is derived from this table and the family specs. ``rank`` is the forward order on a
+sequential pre-norm block; ``StandardizedTransformer.order`` reports the order a
+family really runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str
+    owner: str  # "block", "self_attn" or "mlp": the envoy the property lives on
+    shape: str
+    rank: int
+    meaning: str
+
+    @property
+    def key(self) -> str:
+        """Name relative to the block, as ``order(i)`` prints it."""
+        return self.name if self.owner == "block" else f"{self.owner}.{self.name}"
+
+
+CATALOG: tuple[Value, ...] = (
+    Value("layer_input", "block", "[batch, seq, hidden_size]", 0, "the residual stream entering the block"),
+    Value("attention_norm_output", "block", "[batch, seq, hidden_size]", 1, "the normed stream the attention reads"),
+    Value("attention_premix", "self_attn", "[batch, seq, num_heads, head_dim]", 2,
+          "every head's output before the output projection"),
+    Value("attention_output", "self_attn", "[batch, seq, hidden_size]", 3, "what the attention adds to the stream"),
+    Value("layer_mid", "block", "[batch, seq, hidden_size]", 4, "the stream after the attention add"),
+    Value("mlp_norm_output", "block", "[batch, seq, hidden_size]", 5, "the output of the norm before the MLP"),
+    Value("mlp_input", "block", "[batch, seq, hidden_size]", 6, "what the MLP is called with"),
+    Value("mlp_activation", "mlp", "[batch, seq, intermediate_size]", 7, "the output of the MLP's activation function"),
+    Value("mlp_neurons", "mlp", "[batch, seq, intermediate_size]", 8, "what the down projection sums"),
+    Value("mlp_output", "mlp", "[batch, seq, hidden_size]", 9, "what the MLP adds to the stream"),
+    Value("layer_output", "block", "[batch, seq, hidden_size]", 10, "the residual stream leaving the block"),
+)
+
+BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}
+OWNERS = ("block", "self_attn", "mlp")
+
+
+def values_of(owner: str) -> tuple[Value, ...]:
+    return tuple(v for v in CATALOG if v.owner == owner)

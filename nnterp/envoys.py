@@ -1,0 +1,59 @@
+"""Envoy classes that expose the catalog as properties of blocks, attentions and MLPs.
+
+The properties are generated from the catalog: one per value, on the envoy of its
+owner. Each envoy carries a ``_nnterp_slot`` (the model and the block index) set by
+``StandardizedTransformer`` once the tree is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nnsight import Envoy
+
+from .catalog import Value, values_of
+
+if TYPE_CHECKING:
+    from .standardized import StandardizedTransformer
+
+
+@dataclass
+class Slot:
+    model: "StandardizedTransformer"
+    layer: int
+
+
+def _property(value: Value) -> property:
+    def fget(self):
+        return self._nnterp_slot.model._read_value(self._nnterp_slot.layer, value.name)
+
+    def fset(self, new):
+        self._nnterp_slot.model._write_value(self._nnterp_slot.layer, value.name, new)
+
+    return property(fget, fset, doc=f"{value.meaning}, {value.shape}.")
+
+
+class StandardEnvoy(Envoy):
+    _nnterp_owner = ""
+
+    def __getattr__(self, name: str) -> Any:
+        # A property that raised AttributeError (an unavailable value) lands here; raise
+        # the value's own error rather than nnsight's generic "has no attribute".
+        slot = self.__dict__.get("_nnterp_slot")
+        if slot is not None and name in {v.name for v in values_of(self._nnterp_owner)}:
+            return slot.model._read_value(slot.layer, name)
+        return super().__getattr__(name)
+
+
+def _envoy_class(owner: str, class_name: str) -> type[StandardEnvoy]:
+    namespace = {v.name: _property(v) for v in values_of(owner)}
+    namespace["_nnterp_owner"] = owner
+    namespace["__doc__"] = f"Envoy of a {owner}, with its standard values as properties."
+    return type(class_name, (StandardEnvoy,), namespace)
+
+
+BlockEnvoy = _envoy_class("block", "BlockEnvoy")
+AttentionEnvoy = _envoy_class("self_attn", "AttentionEnvoy")
+MLPEnvoy = _envoy_class("mlp", "MLPEnvoy")
+ENVOY_OF_OWNER = {"block": BlockEnvoy, "self_attn": AttentionEnvoy, "mlp": MLPEnvoy}

@@ -1,0 +1,33 @@
+"""The registry: one spec per family, found by the config's ``model_type``."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from ..errors import UnknownArchitecture
+from .base import Block, Family
+from .bloom import BLOOM
+from .gpt2 import GPT2
+from .gpt_neo import GPT_NEO
+from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
+
+FAMILIES: tuple[Family, ...] = (GPT2, GPT_NEO, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3)
+BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family_of(config: PretrainedConfig) -> Family:
+    """The family spec for a config; a clear error when none covers it."""
+    model_type = getattr(config, "model_type", None)
+    family = BY_MODEL_TYPE.get(model_type)
+    if family is None:
+        architectures = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
+        raise UnknownArchitecture(
+            f"No nnterp family spec covers model_type {model_type!r} ({architectures}). "
+            f"Covered model types: {', '.join(sorted(BY_MODEL_TYPE))}. "
+            "Use a covered model, or wrap it with plain nnsight (nnsight.LanguageModel) meanwhile."
+        )
+    family.check_config(config)
+    return family
+
+
+__all__ = ["FAMILIES", "BY_MODEL_TYPE", "Block", "Family", "family_of"]

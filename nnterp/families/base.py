@@ -1,0 +1,126 @@
+"""What a family spec is: data that places every standard value on a block.
+
+A ``Family`` says where the blocks, the final norm and the head live, and, for each
+block, a ``Block``: the location of every catalog value (or why it is unavailable)
+and the residual identity in the code's own order of addition. The engine reads
+nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import PretrainedConfig
+
+from ..catalog import CATALOG
+from ..locations import At, Location, SameAs, Unavailable, input, output
+
+Terms = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block shape: every catalog value placed, and the identity that ties them.
+
+    ``combine(terms, block_module)`` recomputes ``layer_output`` from the values (and the
+    ``extra`` tensors, read like values) in the order the model's code adds them.
+    ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
+    is exact, else the documented rounding (in ulps of the block's dtype).
+    """
+
+    values: dict[str, Location]
+    formula: str
+    combine: Callable[[Terms, torch.nn.Module], torch.Tensor]
+    extra: dict[str, At] = field(default_factory=dict)
+    ulps: int = 0
+
+    def __post_init__(self):
+        missing = {v.name for v in CATALOG} - set(self.values)
+        unknown = set(self.values) - {v.name for v in CATALOG}
+        if missing or unknown:
+            raise ValueError(f"block spec: missing values {sorted(missing)}, unknown values {sorted(unknown)}")
+
+    def resolve(self, name: str) -> At | Unavailable:
+        location = self.values[name]
+        seen = {name}
+        while isinstance(location, SameAs):
+            if location.name in seen:
+                raise ValueError(f"SameAs cycle through {sorted(seen)}")
+            seen.add(location.name)
+            location = self.values[location.name]
+        return location
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family: module paths, the block spec(s) and a tiny test config."""
+
+    name: str
+    model_types: tuple[str, ...]
+    layers: str  # the ModuleList of blocks, from the *ForCausalLM root
+    embed_tokens: str
+    ln_final: str
+    attention: str  # the attention module, relative to a block
+    mlp: str  # the MLP module, relative to a block
+    block: Callable[[PretrainedConfig, int], Block]
+    tiny_config: Callable[[], PretrainedConfig]
+    lm_head: str = "lm_head"
+    check_config: Callable[[PretrainedConfig], None] = lambda config: None
+
+    def rename(self) -> dict[str, str]:
+        """nnsight aliases that give every family the same module names."""
+        names = {
+            self.layers: "layers",
+            self.embed_tokens: "embed_tokens",
+            self.ln_final: "ln_final",
+            self.attention: "self_attn",
+            self.mlp: "mlp",
+            self.lm_head: "lm_head",
+        }
+        return {native: alias for native, alias in names.items() if native != alias}
+
+
+# -- shared shapes ----------------------------------------------------------------
+
+
+def sequential(x, a, m):
+    """``(layer_input + attention_output) + mlp_output``: the add order of a sequential block."""
+    return (x + a) + m
+
+
+def pre_norm_block(
+    *,
+    input_norm: str,
+    attention: str,
+    o_proj: str,
+    post_norm: str,
+    mlp: str,
+    act: str,
+    down_proj: str,
+    attention_output: At | None = None,
+    mlp_output: At | None = None,
+    layer_output_index: int = 0,
+) -> Block:
+    """The sequential pre-norm block: ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``."""
+    return Block(
+        values={
+            "layer_input": input("", arg=0),
+            "attention_norm_output": output(input_norm),
+            "attention_premix": input(o_proj, heads=True),
+            "attention_output": attention_output or output(attention, index=0),
+            "layer_mid": input(post_norm),
+            "mlp_norm_output": output(post_norm),
+            "mlp_input": input(mlp),
+            "mlp_activation": output(act),
+            "mlp_neurons": input(down_proj),
+            "mlp_output": mlp_output or output(mlp, index=0),
+            "layer_output": output("", index=layer_output_index),
+        },
+        formula="layer_output = (layer_input + attention_output) + mlp_output",
+        combine=lambda t, _: sequential(t["layer_input"], t["attention_output"], t["mlp_output"]),
+    )
+
+
+__all__ = ["Block", "Family", "pre_norm_block", "sequential", "At", "SameAs", "Unavailable", "input", "output"]

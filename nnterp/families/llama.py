@@ -1,0 +1,37 @@
+"""Llama and the families that share its block: Mistral, Qwen2, Qwen3.
+
+Sequential pre-norm with a gated MLP: ``mlp_activation`` is ``act_fn(gate_proj(x))`` and
+``mlp_neurons`` is ``act_fn(gate_proj(x)) * up_proj(x)``, what ``down_proj`` sums.
+"""
+
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from .base import Family, pre_norm_block
+
+_SMALL = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+)
+
+
+def _llama_like(name, model_types, tiny_config):
+    return Family(
+        name=name,
+        model_types=model_types,
+        layers="model.layers",
+        embed_tokens="model.embed_tokens",
+        ln_final="model.norm",
+        attention="self_attn",
+        mlp="mlp",
+        block=lambda config, i: pre_norm_block(
+            input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
+            post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
+        ),
+        tiny_config=tiny_config,
+    )
+
+
+LLAMA = _llama_like("Llama", ("llama",), lambda: LlamaConfig(**_SMALL))
+MISTRAL = _llama_like("Mistral", ("mistral",), lambda: MistralConfig(**_SMALL, sliding_window=4))
+QWEN2 = _llama_like("Qwen2", ("qwen2",), lambda: Qwen2Config(**_SMALL))
+QWEN3 = _llama_like("Qwen3", ("qwen3",), lambda: Qwen3Config(**_SMALL, head_dim=32))

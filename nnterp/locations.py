@@ -1,0 +1,129 @@
+"""Where a standard value is read, and how it is written back.
+
+A location is relative to one block: a module boundary (``At``), the same place as
+another value (``SameAs``), or nothing (``Unavailable``). Reading returns nnsight's
+live tensor, so in-place edits reach the model; writing swaps the tensor in place of
+the module's own, keeping any tuple around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import BadAssignment
+
+
+@dataclass(frozen=True)
+class At:
+    """A tensor at a module boundary of the block.
+
+    ``path`` is relative to the block ("" is the block itself). An ``"output"`` is the
+    module's return value, or its element ``index`` when the module returns a tuple.
+    An ``"input"`` is positional argument ``arg``, or keyword ``kwarg`` when the module
+    was called with keywords only. ``heads`` views the last dimension as
+    ``[num_heads, head_dim]``.
+    """
+
+    path: str
+    side: str  # "input" | "output"
+    index: int = 0
+    arg: int = 0
+    kwarg: str = "hidden_states"
+    heads: bool = False
+
+    def __post_init__(self):
+        if self.side not in ("input", "output"):
+            raise ValueError(f"side must be 'input' or 'output', not {self.side!r}")
+
+    def describe(self) -> str:
+        where = self.path or "<block>"
+        if self.side == "output":
+            text = f"{where}.output"
+        else:
+            text = f"{where}.input"
+        return text + (" (viewed per head)" if self.heads else "")
+
+    # -- the module and the event it fires ------------------------------------------
+    def module(self, block: nn.Module) -> nn.Module:
+        return block.get_submodule(self.path) if self.path else block
+
+    def envoy(self, block_envoy):
+        envoy = block_envoy
+        for part in filter(None, self.path.split(".")):
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        return envoy
+
+    # -- reading and writing inside a trace -----------------------------------------
+    def _raw(self, envoy):
+        if self.side == "output":
+            out = envoy.output
+            return out[self.index] if isinstance(out, tuple) else out
+        args, kwargs = envoy.inputs
+        return args[self.arg] if len(args) > self.arg else kwargs[self.kwarg]
+
+    def read(self, block_envoy, num_heads: int):
+        tensor = self._raw(self.envoy(block_envoy))
+        if self.heads:
+            tensor = tensor.view(*tensor.shape[:-1], num_heads, tensor.shape[-1] // num_heads)
+        return tensor
+
+    def write(self, block_envoy, value, num_heads: int, key: str) -> None:
+        envoy = self.envoy(block_envoy)
+        current = self._raw(envoy)
+        expected = current.shape
+        if self.heads:
+            expected = (*current.shape[:-1], num_heads, current.shape[-1] // num_heads)
+        if not isinstance(value, torch.Tensor):
+            raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
+        if tuple(value.shape) != tuple(expected):
+            raise BadAssignment(
+                f"'{key}' has shape {list(expected)}; the assigned tensor has shape {list(value.shape)}. "
+                "Assign a tensor of the same shape (edit in place with [...] to change a slice)."
+            )
+        if value.dtype != current.dtype:
+            raise BadAssignment(
+                f"'{key}' is {current.dtype}; the assigned tensor is {value.dtype}. "
+                f"Convert it first, e.g. value.to({current.dtype})."
+            )
+        value = value.reshape(current.shape)
+        if self.side == "output":
+            out = envoy.output
+            if isinstance(out, tuple):
+                envoy.output = (*out[: self.index], value, *out[self.index + 1 :])
+            else:
+                envoy.output = value
+        else:
+            args, kwargs = envoy.inputs
+            if len(args) > self.arg:
+                args = (*args[: self.arg], value, *args[self.arg + 1 :])
+            else:
+                kwargs = {**kwargs, self.kwarg: value}
+            envoy.inputs = (args, kwargs)
+
+
+@dataclass(frozen=True)
+class SameAs:
+    """The same location as another standard value of the block."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """The value has no meaning on this block; ``reason`` says why."""
+
+    reason: str
+
+
+Location = At | SameAs | Unavailable
+
+
+def output(path: str = "", index: int = 0, heads: bool = False) -> At:
+    return At(path, "output", index=index, heads=heads)
+
+
+def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", heads: bool = False) -> At:  # noqa: A001
+    return At(path, "input", arg=arg, kwarg=kwarg, heads=heads)
