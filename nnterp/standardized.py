@@ -120,6 +120,10 @@ class StandardizedTransformer(TransformersModel):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from a stream tensor: the family's final norm, then its head."""
+        return self.lm_head(self.ln_final(hidden))
+
     # -- per-block values ---------------------------------------------------------------
     def block_spec(self, layer: int) -> Block:
         if not -self.num_layers <= layer < self.num_layers:
@@ -156,15 +160,22 @@ class StandardizedTransformer(TransformersModel):
         Read a block's values in this order within one trace: reading one after a later one
         raises nnsight's ``OutOfOrderError``.
         """
+        events = {key: event for event, key, _ in self._timeline(layer) if not key.startswith("extra.")}
+        ranks = {event: rank for rank, event in enumerate(sorted(set(events.values())))}
+        return {key: ranks[event] for key, event in events.items()}
+
+    def _timeline(self, layer: int) -> list[tuple[int, str, At]]:
+        """(event index, key, location) of every available value and identity extra, in forward order."""
         block = self.block_spec(layer)
         module = self.layers[layer]._module
-        events = {}
-        for value in CATALOG:
-            location = block.resolve(value.name)
-            if isinstance(location, At):
-                events[value.key] = self._event_index(location.module(module), location.side, value.key)
-        ranks = {event: rank for rank, event in enumerate(sorted(set(events.values())))}
-        return {key: ranks[event] for key, event in sorted(events.items(), key=lambda item: item[1])}
+        located = [(value.key, block.resolve(value.name)) for value in CATALOG]
+        located += [(f"extra.{name}", location) for name, location in block.extra.items()]
+        timeline = [
+            (self._event_index(location.module(module), location.side, key), key, location)
+            for key, location in located
+            if isinstance(location, At)
+        ]
+        return sorted(timeline, key=lambda item: item[0])
 
     def _event_index(self, module: torch.nn.Module, side: str, key: str) -> int:
         index = self._forward_events.get((id(module), side))

@@ -9,9 +9,11 @@ from .base import Block, Family
 from .bloom import BLOOM
 from .gpt2 import GPT2
 from .gpt_neo import GPT_NEO
+from .gpt_neox import GPT_NEOX
+from .gptj import GPTJ
 from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 
-FAMILIES: tuple[Family, ...] = (GPT2, GPT_NEO, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3)
+FAMILIES: tuple[Family, ...] = (GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3)
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 

@@ -1,0 +1,106 @@
+"""Loading, model-level names, and bad input that must fail clearly and lose nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BloomConfig, GPT2Config, GPT2LMHeadModel
+
+from nnterp import BadAssignment, StandardizedTransformer, UnknownArchitecture, UnsupportedConfig
+from nnterp.families import BY_MODEL_TYPE
+
+from .conftest import build_tiny, tiny_tokenizer
+
+IDS = torch.tensor([[3, 4, 5, 6]])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return StandardizedTransformer(build_tiny(BY_MODEL_TYPE["llama"].tiny_config()), tokenizer=tiny_tokenizer())
+
+
+def test_model_level_names_match_the_hf_model(llama):
+    hf = llama._module
+    assert llama.layers._module is hf.model.layers
+    assert llama.embed_tokens._module is hf.model.embed_tokens
+    assert llama.ln_final._module is hf.model.norm
+    assert llama.lm_head._module is hf.lm_head
+    assert llama.layers[0].self_attn._module is hf.model.layers[0].self_attn
+    assert (llama.num_layers, llama.hidden_size, llama.num_heads, llama.vocab_size) == (3, 64, 4, 128)
+    assert not hf.training
+
+
+def test_logits_and_next_token_probs(llama):
+    with torch.no_grad():
+        expected = llama._module(input_ids=IDS).logits
+        with llama.trace(IDS):
+            logits = llama.logits.save()
+            probs = llama.next_token_probs.save()
+    assert torch.equal(logits, expected)
+    assert torch.allclose(probs, torch.softmax(expected[:, -1], dim=-1))
+
+
+def test_project_on_vocab_of_last_layer_is_the_logits(llama):
+    with torch.no_grad(), llama.trace(IDS):
+        last = llama.layers[-1].layer_output.save()
+        logits = llama.logits.save()
+    assert torch.equal(llama.project_on_vocab(last), logits)
+
+
+def test_loading_from_a_folder(tmp_path):
+    build_tiny(BY_MODEL_TYPE["llama"].tiny_config()).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    model = StandardizedTransformer(str(tmp_path), dtype=torch.bfloat16)
+    assert model.family.name == "Llama" and model._module.dtype == torch.bfloat16
+    with model.trace("the cat sat"):
+        out = model.layers[0].layer_output.save()
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 3, 64)
+
+
+def test_missing_model_says_what_to_do(tmp_path):
+    with pytest.raises(OSError, match="not a local folder holding a model"):
+        StandardizedTransformer(str(tmp_path / "nowhere"))
+
+
+def test_unknown_architecture_names_it():
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=128)
+    model = GPT2LMHeadModel(config)
+    model.config.model_type = "mystery"
+    with pytest.raises(UnknownArchitecture, match="'mystery' \\(GPT2LMHeadModel\\)"):
+        StandardizedTransformer(model, tokenizer=tiny_tokenizer())
+
+
+def test_unsupported_config_says_why():
+    hf = build_tiny(BloomConfig(n_layer=2, hidden_size=32, n_head=2, vocab_size=128,
+                                apply_residual_connection_post_layernorm=True))
+    with pytest.raises(UnsupportedConfig, match="apply_residual_connection_post_layernorm"):
+        StandardizedTransformer(hf, tokenizer=tiny_tokenizer())
+
+
+def test_wrapping_needs_a_tokenizer_and_rejects_loading_options():
+    hf = build_tiny(BY_MODEL_TYPE["gpt2"].tiny_config())
+    with pytest.raises(ValueError, match="tokenizer=tok"):
+        StandardizedTransformer(hf)
+    with pytest.raises(TypeError, match="dtype"):
+        StandardizedTransformer(hf, tokenizer=tiny_tokenizer(), dtype=torch.float16)
+
+
+def test_layer_out_of_range(llama):
+    with pytest.raises(IndexError, match="3 layers"):
+        llama.order(7)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda t: t[:, :-1], "shape"),
+    (lambda t: t.to(torch.float64), "float64"),
+    (lambda t: 1.0, "torch.Tensor"),
+])
+def test_bad_assignment_is_refused_and_the_model_stays_usable(llama, bad, message):
+    with torch.no_grad(), llama.trace(IDS):
+        clean = llama.logits.save()
+    with pytest.raises(BadAssignment, match=message):
+        with torch.no_grad(), llama.trace(IDS):
+            llama.layers[1].mlp.mlp_output = bad(llama.layers[1].mlp.mlp_output)
+    with torch.no_grad(), llama.trace(IDS):
+        again = llama.logits.save()
+    assert torch.equal(again, clean)
