@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -68,7 +68,7 @@ class StandardizedTransformer(TransformersModel):
             raise ValueError("A model object needs its tokenizer: StandardizedTransformer(model, tokenizer=tok).")
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        family = family_of(model.config)
+        family = family_of(model.config, type(model).__name__)
         model.eval()  # nnsight does not; dropout would make every value random
         super().__init__(
             model,
@@ -88,6 +88,7 @@ class StandardizedTransformer(TransformersModel):
             block._nnterp_slot = slot
             block.self_attn._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
+        self._forward_events = self._record_forward_events()
 
     # -- model-level names --------------------------------------------------------------
     @property
@@ -186,9 +187,12 @@ class StandardizedTransformer(TransformersModel):
             )
         return index
 
-    @cached_property
-    def _forward_events(self) -> dict[tuple[int, str], int]:
-        """The order module inputs and outputs fire in one short forward pass (first call of each)."""
+    def _record_forward_events(self) -> dict[tuple[int, str], int]:
+        """The order module inputs and outputs fire in one forward pass (first call of each).
+
+        Run once at construction, outside any trace, on fake tensors: no compute and no memory,
+        whatever the model's size.
+        """
         events: dict[tuple[int, str], int] = {}
 
         def record(module, side):
@@ -201,7 +205,7 @@ class StandardizedTransformer(TransformersModel):
                 handles.append(module.register_forward_hook(lambda m, *_: record(m, "output")))
         try:
             device = next(self._module.parameters()).device
-            with torch.no_grad():
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
                 self._module(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
         finally:
             for handle in handles:

