@@ -24,7 +24,9 @@ class At:
     module's return value, or its element ``index`` when the module returns a tuple.
     An ``"input"`` is positional argument ``arg``, or keyword ``kwarg`` when the module
     was called with keywords only. ``heads`` views the last dimension as
-    ``[num_heads, head_dim]``.
+    ``[num_heads, head_dim]``. ``copy`` reads a clone, for the rare tensor the model itself
+    changes in place after producing it (an edit of the copy does not reach the model; an
+    assignment does).
     """
 
     path: str
@@ -33,6 +35,7 @@ class At:
     arg: int = 0
     kwarg: str = "hidden_states"
     heads: bool = False
+    copy: bool = False
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
@@ -44,7 +47,11 @@ class At:
             text = f"{where}.output"
         else:
             text = f"{where}.input"
-        return text + (" (viewed per head)" if self.heads else "")
+        if self.heads:
+            text += " (viewed per head)"
+        if self.copy:
+            text += " (a copy: the model later changes this tensor in place)"
+        return text
 
     # -- the module and the event it fires ------------------------------------------
     def module(self, block: nn.Module) -> nn.Module:
@@ -66,6 +73,8 @@ class At:
 
     def read(self, block_envoy, num_heads: int):
         tensor = self._raw(self.envoy(block_envoy))
+        if self.copy:
+            tensor = tensor.clone()
         if self.heads:
             tensor = tensor.view(*tensor.shape[:-1], num_heads, tensor.shape[-1] // num_heads)
         return tensor
@@ -121,8 +130,8 @@ class Unavailable:
 Location = At | SameAs | Unavailable
 
 
-def output(path: str = "", index: int = 0, heads: bool = False) -> At:
-    return At(path, "output", index=index, heads=heads)
+def output(path: str = "", index: int = 0, heads: bool = False, copy: bool = False) -> At:
+    return At(path, "output", index=index, heads=heads, copy=copy)
 
 
 def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", heads: bool = False) -> At:  # noqa: A001

@@ -7,13 +7,24 @@ from transformers import PretrainedConfig
 from ..errors import UnknownArchitecture
 from .base import Block, Family
 from .bloom import BLOOM
-from .gpt2 import GPT2
+from .falcon import FALCON
+from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
-from .gptj import GPTJ
-from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from .gptj import CODEGEN, GPTJ
+from .granite import GRANITE
+from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
+from .moe import DEEPSEEK_V3, GPT_OSS, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
+from .mpt import MPT
+from .parallel import COHERE, PHI, STABLELM
+from .phi3 import PHI3
+from .sandwich import GEMMA2, GEMMA3, OLMO2, OLMO3
 
-FAMILIES: tuple[Family, ...] = (GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3)
+FAMILIES: tuple[Family, ...] = (
+    GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
+    LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
+    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3,
+)
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 

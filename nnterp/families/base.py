@@ -99,28 +99,71 @@ def pre_norm_block(
     mlp: str,
     act: str,
     down_proj: str,
-    attention_output: At | None = None,
-    mlp_output: At | None = None,
-    layer_output_index: int = 0,
+    formula: str = "layer_output = (layer_input + attention_output) + mlp_output",
+    combine: Callable[[Terms, torch.nn.Module], torch.Tensor] | None = None,
+    ulps: int = 0,
+    **overrides: Location,
 ) -> Block:
-    """The sequential pre-norm block: ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``."""
+    """The sequential pre-norm block, ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``.
+
+    ``overrides`` place the values a family reads elsewhere (or marks unavailable).
+    """
+    values = {
+        "layer_input": input("", arg=0),
+        "attention_norm_output": output(input_norm),
+        "attention_premix": input(o_proj, heads=True),
+        "attention_output": output(attention, index=0),
+        "layer_mid": input(post_norm),
+        "mlp_norm_output": output(post_norm),
+        "mlp_input": input(mlp),
+        "mlp_activation": output(act),
+        "mlp_neurons": input(down_proj),
+        "mlp_output": output(mlp, index=0),
+        "layer_output": output("", index=0),
+    }
     return Block(
-        values={
-            "layer_input": input("", arg=0),
-            "attention_norm_output": output(input_norm),
-            "attention_premix": input(o_proj, heads=True),
-            "attention_output": attention_output or output(attention, index=0),
-            "layer_mid": input(post_norm),
-            "mlp_norm_output": output(post_norm),
-            "mlp_input": input(mlp),
-            "mlp_activation": output(act),
-            "mlp_neurons": input(down_proj),
-            "mlp_output": mlp_output or output(mlp, index=0),
-            "layer_output": output("", index=layer_output_index),
-        },
-        formula="layer_output = (layer_input + attention_output) + mlp_output",
-        combine=lambda t, _: sequential(t["layer_input"], t["attention_output"], t["mlp_output"]),
+        values={**values, **overrides},
+        formula=formula,
+        combine=combine or (lambda t, _: sequential(t["layer_input"], t["attention_output"], t["mlp_output"])),
+        ulps=ulps,
     )
 
 
-__all__ = ["Block", "Family", "pre_norm_block", "sequential", "At", "SameAs", "Unavailable", "input", "output"]
+PARALLEL_NO_MID = Unavailable(
+    "a parallel block: the attention and the MLP both read the block input, so no stream exists between them"
+)
+
+
+def parallel_block(*, input_norm: str, attention: str, o_proj: str, mlp: str, act: str, down_proj: str,
+                   order: str, mlp_norm: str | None = None, **overrides: Location) -> Block:
+    """A parallel block, ``y = x + attn(norm(x)) + mlp(norm'(x))``, summed in the code's ``order``.
+
+    ``order`` is one of ``"(a + m) + x"``, ``"(m + a) + x"``, ``"(x + a) + m"``. With one shared
+    norm (``mlp_norm`` None) ``mlp_norm_output`` is ``attention_norm_output``. The plain sum
+    ``layer_input + attention_output + mlp_output`` is within one ulp of ``layer_output``.
+    """
+    sums = {
+        "(a + m) + x": lambda x, a, m: (a + m) + x,
+        "(m + a) + x": lambda x, a, m: (m + a) + x,
+        "(x + a) + m": lambda x, a, m: (x + a) + m,
+    }
+    add = sums[order]
+    names = {"x": "layer_input", "a": "attention_output", "m": "mlp_output"}
+    return pre_norm_block(
+        input_norm=input_norm, attention=attention, o_proj=o_proj, post_norm=mlp_norm or input_norm, mlp=mlp,
+        act=act, down_proj=down_proj,
+        formula="layer_output = " + "".join(names.get(c, c) for c in order),
+        combine=lambda t, _: add(t["layer_input"], t["attention_output"], t["mlp_output"]),
+        ulps=0 if order == "(x + a) + m" else 1,
+        layer_mid=PARALLEL_NO_MID,
+        **({"mlp_norm_output": SameAs("attention_norm_output")} if mlp_norm is None else {}),
+        **overrides,
+    )
+
+
+ROUTED = Unavailable(
+    "a routed mixture of experts: each token runs its own experts, so there is no single activation tensor"
+)
+
+
+__all__ = ["Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

@@ -1,6 +1,6 @@
-"""GPT-2: sequential pre-norm, Conv1D projections, plain GELU MLP (``mlp_neurons`` is ``mlp_activation``)."""
+"""GPT-2 and GPT-BigCode: sequential pre-norm with a plain GELU MLP (``mlp_neurons`` is ``mlp_activation``)."""
 
-from transformers import GPT2Config
+from transformers import GPT2Config, GPTBigCodeConfig
 
 from .base import Family, pre_norm_block
 
@@ -17,4 +17,17 @@ GPT2 = Family(
         mlp="mlp", act="mlp.act", down_proj="mlp.c_proj",
     ),
     tiny_config=lambda: GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
+)
+
+GPT_BIGCODE = Family(
+    name="GPT-BigCode",  # GPT-2's block with nn.Linear projections and multi-query attention
+    model_types=("gpt_bigcode",),
+    layers="transformer.h",
+    embed_tokens="transformer.wte",
+    ln_final="transformer.ln_f",
+    attention="attn",
+    mlp="mlp",
+    block=GPT2.block,
+    tiny_config=lambda: GPTBigCodeConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                         multi_query=True),
 )

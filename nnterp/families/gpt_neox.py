@@ -1,35 +1,23 @@
 """GPT-NeoX / Pythia, parallel (``use_parallel_residual=True``, Pythia's default) or sequential.
 
-Parallel: ``y = (mlp_output + attention_output) + layer_input``, where the attention reads
+Parallel: ``y = (mlp_output + attention_output) + layer_input``; the attention reads
 ``input_layernorm(x)`` and the MLP ``post_attention_layernorm(x)``, two norms of the same
-input; there is no ``layer_mid``. The plain sum ``layer_input + attention_output +
-mlp_output`` is within one ulp. Sequential: the usual ``(x + a) + m``, exact.
+input, and there is no ``layer_mid``. Sequential: the usual ``(x + a) + m``.
 """
 
 from transformers import GPTNeoXConfig
 
-from .base import Block, Family, input, output, pre_norm_block
-from .gptj import PARALLEL_NO_MID
+from .base import Family, parallel_block, pre_norm_block
+
+_MODULES = dict(attention="attention", o_proj="attention.dense", mlp="mlp", act="mlp.act",
+                down_proj="mlp.dense_4h_to_h")
 
 
 def _block(config, i):
-    sequential = pre_norm_block(
-        input_norm="input_layernorm", attention="attention", o_proj="attention.dense",
-        post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act", down_proj="mlp.dense_4h_to_h",
-    )
-    if not config.use_parallel_residual:
-        return sequential
-    return Block(
-        values={
-            **sequential.values,
-            "layer_mid": PARALLEL_NO_MID,
-            "mlp_norm_output": output("post_attention_layernorm"),
-            "mlp_input": input("mlp"),
-        },
-        formula="layer_output = (mlp_output + attention_output) + layer_input",
-        combine=lambda t, _: (t["mlp_output"] + t["attention_output"]) + t["layer_input"],
-        ulps=1,
-    )
+    if config.use_parallel_residual:
+        return parallel_block(input_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+                              order="(m + a) + x", **_MODULES)
+    return pre_norm_block(input_norm="input_layernorm", post_norm="post_attention_layernorm", **_MODULES)
 
 
 GPT_NEOX = Family(

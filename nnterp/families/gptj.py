@@ -1,50 +1,32 @@
-"""GPT-J: a parallel block with one shared norm.
+"""GPT-J and CodeGen: a parallel block with one shared norm, ``y = (a + m) + x``.
 
-``y = (attention_output + mlp_output) + layer_input``: attention and MLP both read
-``ln_1(x)``, so ``mlp_norm_output`` is ``attention_norm_output`` and there is no
-stream between the sublayers (no ``layer_mid``). The plain sum
-``layer_input + attention_output + mlp_output`` adds in another order and is within
-one ulp of ``layer_output``.
+Attention and MLP both read ``ln_1(x)``, so ``mlp_norm_output`` is ``attention_norm_output``
+and there is no ``layer_mid``.
 """
 
-from transformers import GPTJConfig
+from transformers import CodeGenConfig, GPTJConfig
 
-from .base import Block, Family, SameAs, Unavailable, input, output
-
-PARALLEL_NO_MID = Unavailable(
-    "a parallel block: the attention and the MLP both read the block input, so no stream exists between them"
-)
+from .base import Family, parallel_block
 
 
-def _block(config, i):
-    return Block(
-        values={
-            "layer_input": input("", arg=0),
-            "attention_norm_output": output("ln_1"),
-            "attention_premix": input("attn.out_proj", heads=True),
-            "attention_output": output("attn", index=0),
-            "layer_mid": PARALLEL_NO_MID,
-            "mlp_norm_output": SameAs("attention_norm_output"),
-            "mlp_input": input("mlp"),
-            "mlp_activation": output("mlp.act"),
-            "mlp_neurons": input("mlp.fc_out"),
-            "mlp_output": output("mlp"),
-            "layer_output": output(""),
-        },
-        formula="layer_output = (attention_output + mlp_output) + layer_input",
-        combine=lambda t, _: (t["attention_output"] + t["mlp_output"]) + t["layer_input"],
-        ulps=1,
+def _gptj_like(name, model_type, tiny_config):
+    return Family(
+        name=name,
+        model_types=(model_type,),
+        layers="transformer.h",
+        embed_tokens="transformer.wte",
+        ln_final="transformer.ln_f",
+        attention="attn",
+        mlp="mlp",
+        block=lambda config, i: parallel_block(
+            input_norm="ln_1", attention="attn", o_proj="attn.out_proj", mlp="mlp", act="mlp.act",
+            down_proj="mlp.fc_out", order="(a + m) + x",
+        ),
+        tiny_config=tiny_config,
     )
 
 
-GPTJ = Family(
-    name="GPT-J",
-    model_types=("gptj",),
-    layers="transformer.h",
-    embed_tokens="transformer.wte",
-    ln_final="transformer.ln_f",
-    attention="attn",
-    mlp="mlp",
-    block=_block,
-    tiny_config=lambda: GPTJConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64, rotary_dim=8),
-)
+GPTJ = _gptj_like("GPT-J", "gptj", lambda: GPTJConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128,
+                                                      n_positions=64, rotary_dim=8))
+CODEGEN = _gptj_like("CodeGen", "codegen", lambda: CodeGenConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128,
+                                                                 n_positions=64, rotary_dim=8))

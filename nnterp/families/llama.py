@@ -1,10 +1,15 @@
-"""Llama and the families that share its block: Mistral, Qwen2, Qwen3.
+"""Llama and the families that share its block: Mistral, Qwen2, Qwen3, SmolLM3, OLMo, Gemma.
+
+Gemma scales the embedding by sqrt(hidden) inside ``embed_tokens``, so ``layer_input`` of block 0
+is that module's output; OLMo's norms have no parameters.
 
 Sequential pre-norm with a gated MLP: ``mlp_activation`` is ``act_fn(gate_proj(x))`` and
 ``mlp_neurons`` is ``act_fn(gate_proj(x)) * up_proj(x)``, what ``down_proj`` sums.
 """
 
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    GemmaConfig, LlamaConfig, MistralConfig, OlmoConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
+)
 
 from .base import Family, pre_norm_block
 
@@ -35,3 +40,7 @@ LLAMA = _llama_like("Llama", ("llama",), lambda: LlamaConfig(**_SMALL))
 MISTRAL = _llama_like("Mistral", ("mistral",), lambda: MistralConfig(**_SMALL, sliding_window=4))
 QWEN2 = _llama_like("Qwen2", ("qwen2",), lambda: Qwen2Config(**_SMALL))
 QWEN3 = _llama_like("Qwen3", ("qwen3",), lambda: Qwen3Config(**_SMALL, head_dim=32))
+
+SMOLLM3 = _llama_like("SmolLM3", ("smollm3",), lambda: SmolLM3Config(**_SMALL, pad_token_id=0))
+OLMO = _llama_like("OLMo", ("olmo",), lambda: OlmoConfig(**_SMALL))
+GEMMA = _llama_like("Gemma", ("gemma",), lambda: GemmaConfig(**_SMALL, head_dim=16))

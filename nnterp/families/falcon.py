@@ -1,0 +1,52 @@
+"""Falcon, in its four block shapes.
+
+- ``parallel_attn=True`` (7B style): parallel, one shared ``input_layernorm``.
+- ``parallel_attn=False`` (RW style, ALiBi or RoPE): sequential pre-norm.
+- ``new_decoder_architecture=True`` (40B style): parallel, ``ln_attn`` and ``ln_mlp`` on the
+  same input; with ``num_ln_in_parallel_attn=1`` one shared ``input_layernorm``.
+
+Parallel blocks sum ``(m + a) + x`` and do it in place: ``mlp_output += attention_output``
+on the MLP's returned tensor. ``mlp_output`` is therefore read as a copy there (an in-place
+edit of it does not reach the model; assigning it does). The block returns a tuple.
+"""
+
+from transformers import FalconConfig
+
+from ..errors import UnsupportedConfig
+from .base import Family, output, parallel_block, pre_norm_block
+
+_MODULES = dict(attention="self_attention", o_proj="self_attention.dense", mlp="mlp", act="mlp.act",
+                down_proj="mlp.dense_4h_to_h")
+
+
+def _check(config):
+    if config.new_decoder_architecture and not config.parallel_attn:
+        raise UnsupportedConfig(
+            "Falcon with new_decoder_architecture=True and parallel_attn=False fails in transformers' own forward "
+            "(FalconDecoderLayer has no ln_attn). Use parallel_attn=True with the new architecture."
+        )
+
+
+def _block(config, i):
+    if not config.parallel_attn:
+        return pre_norm_block(input_norm="input_layernorm", post_norm="post_attention_layernorm", **_MODULES)
+    two_norms = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
+    return parallel_block(
+        input_norm="ln_attn" if two_norms else "input_layernorm", mlp_norm="ln_mlp" if two_norms else None,
+        order="(m + a) + x", mlp_output=output("mlp", copy=True), **_MODULES,
+    )
+
+
+FALCON = Family(
+    name="Falcon",
+    model_types=("falcon",),
+    layers="transformer.h",
+    embed_tokens="transformer.word_embeddings",
+    ln_final="transformer.ln_f",
+    attention="self_attention",
+    mlp="mlp",
+    block=_block,
+    tiny_config=lambda: FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=128,
+                                     new_decoder_architecture=False, parallel_attn=True, multi_query=True),
+    check_config=_check,
+)

@@ -1,0 +1,57 @@
+"""Mixtures of experts on a sequential pre-norm block: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3.
+
+The MLP's output is what the mixture adds (routed experts, plus any shared expert), so the
+identity is the usual ``(x + a) + m``. A routed block has no single ``mlp_activation`` or
+``mlp_neurons``: every token runs its own experts. Dense blocks among them (DeepSeek-V3's
+first ``first_k_dense_replace`` layers, Qwen-MoE's ``mlp_only_layers`` and
+``decoder_sparse_step``) have both. GPT-OSS's MLP returns ``(output, router_scores)``.
+"""
+
+from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from .base import ROUTED, Family, pre_norm_block
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+def _block(is_routed):
+    def block(config, i):
+        routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {}
+        return pre_norm_block(
+            input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
+            post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj", **routed,
+        )
+    return block
+
+
+def _qwen_routed(config, i):
+    return i not in (config.mlp_only_layers or []) and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+
+
+def _moe(name, model_type, is_routed, tiny_config):
+    return Family(
+        name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
+        ln_final="model.norm", attention="self_attn", mlp="mlp", block=_block(is_routed), tiny_config=tiny_config,
+    )
+
+
+def _always(config, i):
+    return True
+
+
+MIXTRAL = _moe("Mixtral", "mixtral", _always, lambda: MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2))
+QWEN2_MOE = _moe("Qwen2-MoE", "qwen2_moe", _qwen_routed, lambda: Qwen2MoeConfig(
+    **_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+    decoder_sparse_step=1, mlp_only_layers=[1]))
+QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", _qwen_routed, lambda: Qwen3MoeConfig(
+    **_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2))
+OLMOE = _moe("OLMoE", "olmoe", _always, lambda: OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
+GPT_OSS = _moe("GPT-OSS", "gpt_oss", _always, lambda: GptOssConfig(
+    **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", lambda config, i: i >= config.first_k_dense_replace,
+                   lambda: DeepseekV3Config(
+                       **{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+                       n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                       q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
