@@ -26,45 +26,98 @@ PRE_NORM = lambda ln1, attn, o_proj, ln2, mlp, act, down: {  # noqa: E731
 }
 LLAMA = PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "mlp",
                  "mlp.act_fn", "mlp.down_proj")
+ROUTED = {**LLAMA, "mlp_activation": None, "mlp_neurons": None}
 NEOX_SEQ = PRE_NORM("input_layernorm", "attention", "attention.dense", "post_attention_layernorm", "mlp",
                     "mlp.act", "mlp.dense_4h_to_h")
+GPT2_TRUTH = PRE_NORM("ln_1", "attn", "attn.c_proj", "ln_2", "mlp", "mlp.act", "mlp.c_proj")
+GPTJ_TRUTH = {**PRE_NORM("ln_1", "attn", "attn.out_proj", None, "mlp", "mlp.act", "mlp.fc_out"),
+              "layer_mid": None, "mlp_norm_output": ("ln_1", "out")}
+SHARED_NORM = lambda truth: {**truth, "layer_mid": None, "mlp_norm_output": truth["attention_norm_output"]}  # noqa: E731
+FALCON_SEQ = PRE_NORM("input_layernorm", "self_attention", "self_attention.dense", "post_attention_layernorm",
+                      "mlp", "mlp.act", "mlp.dense_4h_to_h")
+SANDWICH = {**PRE_NORM("input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
+                       "pre_feedforward_layernorm", "mlp", "mlp.act_fn", "mlp.down_proj"),
+            "mlp_output": ("post_feedforward_layernorm", "out")}
+NO_PRE_NORM = {**SANDWICH, "attention_norm_output": None, "mlp_norm_output": None, "layer_mid": ("mlp", "in")}
 seq = lambda x, a, m: (x + a) + m  # noqa: E731
+am_x = lambda x, a, m: (a + m) + x  # noqa: E731
+ma_x = lambda x, a, m: (m + a) + x  # noqa: E731
+
+
+def tiny(model_type, **changes):
+    def config():
+        cfg = BY_MODEL_TYPE[model_type].tiny_config()
+        for key, value in changes.items():
+            setattr(cfg, key, value)
+        return cfg
+    return config
+
 
 # case -> (config factory, truth, layer formula in the code's order of addition, block output is a tuple)
+# truth may be a function of the layer index, for models whose blocks differ.
 CASES = {
-    "gpt2": (BY_MODEL_TYPE["gpt2"].tiny_config,
-             PRE_NORM("ln_1", "attn", "attn.c_proj", "ln_2", "mlp", "mlp.act", "mlp.c_proj"), seq, False),
-    "gptj": (BY_MODEL_TYPE["gptj"].tiny_config,
-             {**PRE_NORM("ln_1", "attn", "attn.out_proj", None, "mlp", "mlp.act", "mlp.fc_out"),
-              "layer_mid": None, "mlp_norm_output": ("ln_1", "out")},
-             lambda x, a, m: (a + m) + x, False),
-    "gpt_neo": (BY_MODEL_TYPE["gpt_neo"].tiny_config,
+    "gpt2": (tiny("gpt2"), GPT2_TRUTH, seq, False),
+    "gpt_bigcode": (tiny("gpt_bigcode"), GPT2_TRUTH, seq, False),
+    "gptj": (tiny("gptj"), GPTJ_TRUTH, am_x, False),
+    "codegen": (tiny("codegen"), GPTJ_TRUTH, am_x, False),
+    "gpt_neo": (tiny("gpt_neo"),
                 PRE_NORM("ln_1", "attn", "attn.attention.out_proj", "ln_2", "mlp", "mlp.act", "mlp.c_proj"),
                 seq, True),
-    "gpt_neox_parallel": (BY_MODEL_TYPE["gpt_neox"].tiny_config,
-                          {**NEOX_SEQ, "layer_mid": None}, lambda x, a, m: (m + a) + x, False),
-    "gpt_neox_sequential": (
-        lambda: GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, intermediate_size=128,
-                              vocab_size=128, max_position_embeddings=64, use_parallel_residual=False),
-        NEOX_SEQ, seq, False),
-    # BLOOM adds the residual inside self_attention and mlp: the contributions enter those adds.
-    "bloom": (BY_MODEL_TYPE["bloom"].tiny_config,
+    "gpt_neox_parallel": (tiny("gpt_neox"), {**NEOX_SEQ, "layer_mid": None}, ma_x, False),
+    "gpt_neox_sequential": (tiny("gpt_neox", use_parallel_residual=False), NEOX_SEQ, seq, False),
+    # BLOOM and MPT add the residual inside their modules: the contributions enter those adds.
+    "bloom": (tiny("bloom"),
               {**PRE_NORM("input_layernorm", None, "self_attention.dense", "post_attention_layernorm", "mlp",
                           "mlp.gelu_impl", "mlp.dense_4h_to_h"),
                "attention_output": ("self_attention.dense", "out"), "mlp_output": ("mlp.dense_4h_to_h", "out")},
               seq, True),
-    "llama": (BY_MODEL_TYPE["llama"].tiny_config, LLAMA, seq, False),
-    "mistral": (BY_MODEL_TYPE["mistral"].tiny_config, LLAMA, seq, False),
-    "qwen2": (BY_MODEL_TYPE["qwen2"].tiny_config, LLAMA, seq, False),
-    "qwen3": (BY_MODEL_TYPE["qwen3"].tiny_config, LLAMA, seq, False),
+    "mpt": (tiny("mpt"), {**PRE_NORM("norm_1", "attn", "attn.out_proj", "norm_2", "ffn", "ffn.act", "ffn.down_proj"),
+                          "mlp_output": ("ffn.down_proj", "out")}, seq, True),
+    # Falcon: the hooks clone, so a saved parallel MLP output must not be the in-place sum m + a.
+    "falcon_7b_parallel": (tiny("falcon"), SHARED_NORM(FALCON_SEQ), ma_x, True),
+    "falcon_rw_alibi": (tiny("falcon", parallel_attn=False, alibi=True, bias=True, multi_query=False),
+                        FALCON_SEQ, seq, True),
+    "falcon_rw_rope": (tiny("falcon", parallel_attn=False), FALCON_SEQ, seq, True),
+    "falcon_40b_two_norms": (tiny("falcon", new_decoder_architecture=True, num_kv_heads=2),
+                             {**FALCON_SEQ, "attention_norm_output": ("ln_attn", "out"), "layer_mid": None,
+                              "mlp_norm_output": ("ln_mlp", "out")}, ma_x, True),
+    "falcon_new_one_norm": (tiny("falcon", new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+                            SHARED_NORM(FALCON_SEQ), ma_x, True),
+    "phi": (tiny("phi"), SHARED_NORM(PRE_NORM("input_layernorm", "self_attn", "self_attn.dense", None, "mlp",
+                                              "mlp.activation_fn", "mlp.fc2")), am_x, False),
+    "stablelm_parallel": (tiny("stablelm"), SHARED_NORM(LLAMA), seq, False),
+    "stablelm_sequential": (tiny("stablelm", use_parallel_residual=False), LLAMA, seq, False),
+    "cohere": (tiny("cohere"), SHARED_NORM(LLAMA), seq, False),
+    "llama": (tiny("llama"), LLAMA, seq, False),
+    "mistral": (tiny("mistral"), LLAMA, seq, False),
+    "qwen2": (tiny("qwen2"), LLAMA, seq, False),
+    "qwen3": (tiny("qwen3"), LLAMA, seq, False),
+    "smollm3": (tiny("smollm3"), LLAMA, seq, False),
+    "gemma": (tiny("gemma"), LLAMA, seq, False),
+    "olmo": (tiny("olmo"), LLAMA, seq, False),
+    "phi3": (tiny("phi3"), {**PRE_NORM("input_layernorm", "resid_attn_dropout", "self_attn.o_proj",
+                                       "post_attention_layernorm", "mlp", "mlp.activation_fn", "mlp.down_proj"),
+                            "mlp_output": ("resid_mlp_dropout", "out")}, seq, False),
+    # Gemma-2/3 and OLMo-2/3: the contributions are the outputs of the norms after the sublayers.
+    "gemma2": (tiny("gemma2"), SANDWICH, seq, False),
+    "gemma3": (tiny("gemma3_text"), SANDWICH, seq, False),
+    "olmo2": (tiny("olmo2"), NO_PRE_NORM, seq, False),
+    "olmo3": (tiny("olmo3"), NO_PRE_NORM, seq, False),
+    "granite": (tiny("granite"), LLAMA, lambda x, a, m: (x + a * 0.22) + m * 0.22, False),
+    "mixtral": (tiny("mixtral"), ROUTED, seq, False),
+    "olmoe": (tiny("olmoe"), ROUTED, seq, False),
+    "gpt_oss": (tiny("gpt_oss"), ROUTED, seq, False),
+    "qwen2_moe": (tiny("qwen2_moe"), lambda i: LLAMA if i == 1 else ROUTED, seq, False),  # mlp_only_layers=[1]
+    "qwen3_moe": (tiny("qwen3_moe"), lambda i: ROUTED if i == 1 else LLAMA, seq, False),  # decoder_sparse_step=2
+    "deepseek_v3": (tiny("deepseek_v3"), lambda i: LLAMA if i == 0 else ROUTED, seq, False),  # first_k_dense=1
 }
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 
 
 def test_every_family_has_a_case():
-    covered = {t for f in FAMILIES for t in f.model_types}
-    assert covered == {case.rsplit("_parallel", 1)[0].rsplit("_sequential", 1)[0] for case in CASES}
+    tested = {CASES[case][0]().model_type for case in CASES}
+    assert tested == {t for f in FAMILIES for t in f.model_types}
 
 
 def first(x):
@@ -75,7 +128,7 @@ def hook_capture(hf_model, truth, ids):
     """Run the plain HF model with forward hooks; return {(layer, value): tensor} and the logits."""
     captured, handles = {}, []
     for i, block in enumerate(hf_model.base_model_blocks):
-        for name, where in truth.items():
+        for name, where in truth(i).items():
             if where is None:
                 continue
             path, side = where
@@ -106,6 +159,7 @@ def hook_capture(hf_model, truth, ids):
 
 def make(case, dtype):
     config_factory, truth, formula, is_tuple = CASES[case]
+    truth = truth if callable(truth) else (lambda i, truth=truth: truth)
     hf_model = build_tiny(config_factory(), dtype)
     model = StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer())
     hf_model.base_model_blocks = model.layers._module  # the ModuleList, for the hooks
@@ -133,7 +187,7 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
     saved, logits = read_all(model, IDS)
     assert torch.equal(logits, expected_logits)
     for i in range(model.num_layers):
-        for name, where in truth.items():
+        for name, where in truth(i).items():
             if where is None:
                 assert name not in {k.rpartition(".")[2] for k in model.order(i)}
                 continue
@@ -145,28 +199,35 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
         x, a, m, y = (saved[(i, n)] for n in ("layer_input", "attention_output", "mlp_output", "layer_output"))
         assert x.shape == a.shape == m.shape == y.shape == (2, 7, model.hidden_size)
         assert torch.equal(formula(x, a, m), y), f"layer {i}: identity"
-        if truth["layer_mid"] is not None:
-            assert torch.equal(saved[(i, "layer_mid")], x + a)
+        if truth(i)["layer_mid"] is not None:
+            mid = x + a * 0.22 if case == "granite" else x + a  # Granite scales by residual_multiplier
+            assert torch.equal(saved[(i, "layer_mid")], mid)
         if i + 1 < model.num_layers:
             assert torch.equal(y, expected[(i + 1, "layer_input")])
         # the plain sum: exact on a sequential block, one ulp of the dtype on a parallel one
-        plain = x + a + m
-        ulp = torch.finfo(dtype).eps * y.abs().clamp_min(1)
-        assert ((plain - y).abs() <= ulp).all()
+        if case != "granite":
+            plain = x + a + m
+            ulp = torch.finfo(dtype).eps * y.abs().clamp_min(1)
+            assert ((plain - y).abs() <= ulp).all()
 
 
-def run_with_hook(hf_model, module, side, edit, ids=IDS):
-    """Ground truth for an edit: the HF model with a hook that applies ``edit`` to the tensor."""
+def register_edit(hf_model, module, side, edit):
+    """A hook that applies ``edit`` to the module's input or output tensor (the first element of a tuple)."""
     if side == "in":
         def pre(mod, args, kwargs):
             if args:
                 return (edit(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": edit(kwargs["hidden_states"])}
-        handle = module.register_forward_pre_hook(pre, with_kwargs=True)
-    else:
-        def post(mod, args, out):
-            return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
-        handle = module.register_forward_hook(post)
+        return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+    def post(mod, args, out):
+        return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
+    return module.register_forward_hook(post)
+
+
+def run_with_hook(hf_model, module, side, edit, ids=IDS):
+    """Ground truth for an edit: the HF model's logits with a hook that applies ``edit`` to the tensor."""
+    handle = register_edit(hf_model, module, side, edit)
     try:
         with torch.no_grad():
             return hf_model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -174,8 +235,10 @@ def run_with_hook(hf_model, module, side, edit, ids=IDS):
         handle.remove()
 
 
+
+
 def module_of(hf_model, truth, layer, name):
-    path, side = truth[name]
+    path, side = truth(layer)[name]
     block = hf_model.base_model_blocks[layer]
     return (block.get_submodule(path) if path else block), side
 
@@ -191,11 +254,17 @@ def test_edits_and_assignments_reach_the_logits(case):
         t[:, -1] = 0
         return t
 
-    # in place on a contribution
+    # in place on a contribution, and an assignment of the other
     with torch.no_grad(), model.trace(IDS):
-        model.layers[1].mlp.mlp_output[:, -1] = 0
+        model.layers[1].self_attn.attention_output[:, -1] = 0
+        model.layers[1].mlp.mlp_output = model.layers[1].mlp.mlp_output * 0.5
         edited = model.logits.save()
-    assert torch.equal(edited, run_with_hook(hf_model, *module_of(hf_model, truth, 1, "mlp_output"), zero_last))
+    handle = register_edit(hf_model, *module_of(hf_model, truth, 1, "attention_output"), zero_last)
+    try:
+        expected = run_with_hook(hf_model, *module_of(hf_model, truth, 1, "mlp_output"), lambda t: t * 0.5)
+    finally:
+        handle.remove()
+    assert torch.equal(edited, expected)
     assert not torch.equal(edited, clean)
 
     # assignment of a block output: the tuple is kept for the next block
