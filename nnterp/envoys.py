@@ -35,25 +35,26 @@ def _property(value: Value) -> property:
 
 
 class StandardEnvoy(Envoy):
-    _nnterp_owner = ""
+    _nnterp_owners: tuple[str, ...] = ()
 
     def __getattr__(self, name: str) -> Any:
         # A property that raised AttributeError (an unavailable value) lands here; raise
         # the value's own error rather than nnsight's generic "has no attribute".
         slot = self.__dict__.get("_nnterp_slot")
-        if slot is not None and name in {v.name for v in values_of(self._nnterp_owner)}:
+        if slot is not None and name in {v.name for owner in self._nnterp_owners for v in values_of(owner)}:
             return slot.model._read_value(slot.layer, name)
         return super().__getattr__(name)
 
 
-def _envoy_class(owner: str, class_name: str) -> type[StandardEnvoy]:
-    namespace = {v.name: _property(v) for v in values_of(owner)}
-    namespace["_nnterp_owner"] = owner
-    namespace["__doc__"] = f"Envoy of a {owner}, with its standard values as properties."
-    return type(class_name, (StandardEnvoy,), namespace)
+def _envoy_class(class_name: str, *owners: str, **extra) -> type[StandardEnvoy]:
+    namespace = {v.name: _property(v) for owner in owners for v in values_of(owner)}
+    namespace["_nnterp_owners"] = owners
+    namespace["__doc__"] = f"Envoy of a {' and '.join(owners)}, with the standard values as properties."
+    return type(class_name, (StandardEnvoy,), {**namespace, **extra})
 
 
-BlockEnvoy = _envoy_class("block", "BlockEnvoy")
-AttentionEnvoy = _envoy_class("self_attn", "AttentionEnvoy")
-MLPEnvoy = _envoy_class("mlp", "MLPEnvoy")
-ENVOY_OF_OWNER = {"block": BlockEnvoy, "self_attn": AttentionEnvoy, "mlp": MLPEnvoy}
+BlockEnvoy = _envoy_class("BlockEnvoy", "block")
+AttentionEnvoy = _envoy_class("AttentionEnvoy", "self_attn")
+MLPEnvoy = _envoy_class("MLPEnvoy", "mlp")
+# A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block.
+BlockWithMLPEnvoy = _envoy_class("BlockWithMLPEnvoy", "block", "mlp", mlp=property(lambda self: self))

@@ -24,7 +24,8 @@ class At:
     module's return value, or its element ``index`` when the module returns a tuple.
     An ``"input"`` is positional argument ``arg``, or keyword ``kwarg`` when the module
     was called with keywords only. ``heads`` views the last dimension as
-    ``[num_heads, head_dim]``. ``copy`` reads a clone, for the rare tensor the model itself
+    ``[num_heads, head_dim]``. ``unflatten`` views a tensor the block flattened to
+    ``[batch * seq, features]`` as ``[batch, seq, features]``. ``copy`` reads a clone, for the rare tensor the model itself
     changes in place after producing it (an edit of the copy does not reach the model; an
     assignment does).
     """
@@ -36,6 +37,7 @@ class At:
     kwarg: str = "hidden_states"
     heads: bool = False
     copy: bool = False
+    unflatten: bool = False
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
@@ -49,6 +51,8 @@ class At:
             text = f"{where}.input"
         if self.heads:
             text += " (viewed per head)"
+        if self.unflatten:
+            text += " (flattened by the block; viewed as [batch, seq, ...])"
         if self.copy:
             text += " (a copy: the model later changes this tensor in place)"
         return text
@@ -71,20 +75,25 @@ class At:
         args, kwargs = envoy.inputs
         return args[self.arg] if len(args) > self.arg else kwargs[self.kwarg]
 
+    def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
+        if self.unflatten:
+            shape = (*block_envoy._module._nnterp_leading_shape, shape[-1])
+        if self.heads:
+            shape = (*shape[:-1], num_heads, shape[-1] // num_heads)
+        return tuple(shape)
+
     def read(self, block_envoy, num_heads: int):
         tensor = self._raw(self.envoy(block_envoy))
         if self.copy:
             tensor = tensor.clone()
-        if self.heads:
-            tensor = tensor.view(*tensor.shape[:-1], num_heads, tensor.shape[-1] // num_heads)
+        if self.heads or self.unflatten:
+            tensor = tensor.view(self._view_shape(block_envoy, tensor.shape, num_heads))
         return tensor
 
     def write(self, block_envoy, value, num_heads: int, key: str) -> None:
         envoy = self.envoy(block_envoy)
         current = self._raw(envoy)
-        expected = current.shape
-        if self.heads:
-            expected = (*current.shape[:-1], num_heads, current.shape[-1] // num_heads)
+        expected = self._view_shape(block_envoy, current.shape, num_heads)
         if not isinstance(value, torch.Tensor):
             raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
         if tuple(value.shape) != tuple(expected):
@@ -130,9 +139,15 @@ class Unavailable:
 Location = At | SameAs | Unavailable
 
 
-def output(path: str = "", index: int = 0, heads: bool = False, copy: bool = False) -> At:
-    return At(path, "output", index=index, heads=heads, copy=copy)
+def output(path: str = "", index: int = 0, **view) -> At:
+    return At(path, "output", index=index, **view)
 
 
-def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", heads: bool = False) -> At:  # noqa: A001
-    return At(path, "input", arg=arg, kwarg=kwarg, heads=heads)
+def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", **view) -> At:  # noqa: A001
+    return At(path, "input", arg=arg, kwarg=kwarg, **view)
+
+
+def record_leading_shape(block: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook: remember ``[batch, seq]`` of the block's input for ``unflatten`` views."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    block._nnterp_leading_shape = tuple(hidden.shape[:-1])

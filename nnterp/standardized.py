@@ -12,10 +12,10 @@ from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .catalog import BY_NAME, CATALOG
-from .envoys import ENVOY_OF_OWNER, Slot
+from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, ValueUnavailable
 from .families import Block, Family, family_of
-from .locations import At, Unavailable
+from .locations import At, Unavailable, record_leading_shape
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,9 @@ class StandardizedTransformer(TransformersModel):
             task="text-generation",
             rename=family.rename(),
             envoys={
-                f"{family.layers}.*": ENVOY_OF_OWNER["block"],
-                f"{family.layers}.*.{family.attention}": ENVOY_OF_OWNER["self_attn"],
-                f"{family.layers}.*.{family.mlp}": ENVOY_OF_OWNER["mlp"],
+                f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
+                f"{family.layers}.*.{family.attention}": AttentionEnvoy,
+                **({f"{family.layers}.*.{family.mlp}": MLPEnvoy} if family.mlp else {}),
             },
         )
         self._nnterp_family = family
@@ -89,6 +89,8 @@ class StandardizedTransformer(TransformersModel):
             block._nnterp_slot = slot
             block.self_attn._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
+            if any(isinstance(loc, At) and loc.unflatten for loc in self._nnterp_blocks[i].values.values()):
+                block._module.register_forward_pre_hook(record_leading_shape, with_kwargs=True)
         self._forward_events = self._record_forward_events()
 
     # -- model-level names --------------------------------------------------------------

@@ -63,7 +63,7 @@ class Family:
     embed_tokens: str
     ln_final: str
     attention: str  # the attention module, relative to a block
-    mlp: str  # the MLP module, relative to a block
+    mlp: str | None  # the MLP module, relative to a block; None where its layers sit on the block
     block: Callable[[PretrainedConfig, int], Block]
     tiny_config: Callable[[], PretrainedConfig]
     lm_head: str = "lm_head"
@@ -76,8 +76,8 @@ class Family:
             self.embed_tokens: "embed_tokens",
             self.ln_final: "ln_final",
             self.attention: "self_attn",
-            self.mlp: "mlp",
             self.lm_head: "lm_head",
+            **({self.mlp: "mlp"} if self.mlp else {}),
         }
         return {native: alias for native, alias in names.items() if native != alias}
 
