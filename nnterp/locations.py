@@ -8,6 +8,7 @@ the module's own, keeping any tuple around it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,9 @@ class At:
     def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
         if self.unflatten:
             shape = (*block_envoy._module._nnterp_leading_shape, shape[-1])
-        if self.heads:
-            shape = (*shape[:-1], num_heads, shape[-1] // num_heads)
+        if self.heads:  # [batch, seq, (groups,) width] -> [batch, seq, heads, head_dim]
+            width = math.prod(shape[2:])
+            shape = (*shape[:2], num_heads, width // num_heads)
         return tuple(shape)
 
     def read(self, block_envoy, num_heads: int):

@@ -83,7 +83,8 @@ class StandardizedTransformer(TransformersModel):
             },
         )
         self._nnterp_family = family
-        self._nnterp_blocks = tuple(family.block(model.config, i) for i in range(len(self.layers)))
+        self._nnterp_text_config = model.config.get_text_config()
+        self._nnterp_blocks = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
@@ -114,15 +115,15 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def hidden_size(self) -> int:
-        return self.config.hidden_size
+        return self._nnterp_text_config.hidden_size
 
     @property
     def num_heads(self) -> int:
-        return self.config.num_attention_heads
+        return self._nnterp_text_config.num_attention_heads
 
     @property
     def vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self._nnterp_text_config.vocab_size
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from a stream tensor: the family's final norm, then its head."""

@@ -33,11 +33,14 @@ def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
 
 
 def perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
-    """Random init leaves norm weights at 1 and biases at 0; move every parameter off them."""
+    """Random init leaves norm weights at 1, biases and gates at 0 or 1; move every parameter off them."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma-4's per-block scale, a buffer of ones
+                buffer.fill_(0.7)
     return model
 
 

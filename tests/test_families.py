@@ -13,7 +13,8 @@ from nnsight.intervention.interleaver import OutOfOrderError
 from transformers import GPTNeoXConfig
 
 from nnterp import StandardizedTransformer, ValueUnavailable
-from nnterp.families import FAMILIES, BY_MODEL_TYPE
+from nnterp.catalog import BY_NAME
+from nnterp.families import BY_MODEL_TYPE, FAMILIES
 
 from .conftest import build_tiny, tiny_tokenizer
 
@@ -39,9 +40,41 @@ SANDWICH = {**PRE_NORM("input_layernorm", "post_attention_layernorm", "self_attn
                        "pre_feedforward_layernorm", "mlp", "mlp.act_fn", "mlp.down_proj"),
             "mlp_output": ("post_feedforward_layernorm", "out")}
 NO_PRE_NORM = {**SANDWICH, "attention_norm_output": None, "mlp_norm_output": None, "layer_mid": ("mlp", "in")}
-seq = lambda x, a, m: (x + a) + m  # noqa: E731
-am_x = lambda x, a, m: (a + m) + x  # noqa: E731
-ma_x = lambda x, a, m: (m + a) + x  # noqa: E731
+# formula(x, a, m, e): e holds the block module ("block") and the hook captures of a case's extra locations
+seq = lambda x, a, m, e: (x + a) + m  # noqa: E731
+am_x = lambda x, a, m, e: (a + m) + x  # noqa: E731
+ma_x = lambda x, a, m, e: (m + a) + x  # noqa: E731
+
+
+def gemma4(x, a, m, e):
+    return (((x + a) + m) + e["P"]) * e["block"].layer_scalar
+
+
+def doge(x, a, m, e):
+    return e["block"].post_attention_residual * (e["block"].input_residual * x + a) + m
+
+
+def zaya(x, a, m, e):
+    def scaled(s, branch, stream):
+        return (branch + s.hidden_states_bias) * s.hidden_states_scale + (stream + s.residual_bias) * s.residual_scale
+    block = e["block"]
+    return scaled(block.post_mlp_residual_scale, m, scaled(block.post_attention_residual_scale, a, x))
+
+
+def hyper_connections(x, a, m, e):
+    def mix(post, comb, branch, streams):
+        return (post.to(streams.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
+                + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams))
+    return mix(e["ffn_post"], e["ffn_comb"], m, mix(e["attn_post"], e["attn_comb"], a, x))
+
+
+CUSTOM_IDENTITY = {"granite", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
+CUSTOM_MID = {
+    "granite": lambda x, a, block: x + a * 0.22,
+    "doge": lambda x, a, block: block.input_residual * x + a,
+    "doge_moe": lambda x, a, block: block.input_residual * x + a,
+}
+SANDWICH_ROUTED = {**SANDWICH, "mlp_activation": None, "mlp_neurons": None}
 
 
 def tiny(model_type, **changes):
@@ -106,7 +139,19 @@ CASES = {
     "gemma3": (tiny("gemma3_text"), SANDWICH, seq, False),
     "olmo2": (tiny("olmo2"), NO_PRE_NORM, seq, False),
     "olmo3": (tiny("olmo3"), NO_PRE_NORM, seq, False),
-    "granite": (tiny("granite"), LLAMA, lambda x, a, m: (x + a * 0.22) + m * 0.22, False),
+    "gemma3_image_text": (tiny("gemma3"), SANDWICH, seq, False),
+    "granite": (tiny("granite"), LLAMA, lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
+    # Gemma-4: per-layer input branch P and the block's layer_scalar (0.7 in the tests); MoE beside the MLP.
+    "gemma4": (tiny("gemma4_text"), {**SANDWICH_ROUTED, "P": ("post_per_layer_input_norm", "out")}, gemma4, False),
+    "gemma4_dense": (tiny("gemma4_text", enable_moe_block=False, hidden_size_per_layer_input=0), SANDWICH,
+                     lambda x, a, m, e: ((x + a) + m) * e["block"].layer_scalar, False),
+    "doge": (tiny("doge"), LLAMA, doge, False),
+    "doge_moe": (tiny("doge", is_moe=True, num_experts=16, num_experts_per_tok=4), ROUTED, doge, False),
+    "zaya": (tiny("zaya"), {**ROUTED, "layer_mid": ("post_attention_residual_scale", "out")}, zaya, True),
+    "deepseek_v4": (tiny("deepseek_v4"), {
+        **ROUTED, "attention_premix": ("self_attn.o_a_proj", "in"), "layer_mid": ("ffn_hc", "in"),
+        "attn_post": ("attn_hc", "out"), "attn_comb": ("attn_hc", "out1"),
+        "ffn_post": ("ffn_hc", "out"), "ffn_comb": ("ffn_hc", "out1")}, hyper_connections, False),
     "mixtral": (tiny("mixtral"), ROUTED, seq, False),
     "olmoe": (tiny("olmoe"), ROUTED, seq, False),
     "gpt_oss": (tiny("gpt_oss"), ROUTED, seq, False),
@@ -143,7 +188,7 @@ def hook_capture(hf_model, truth, ids):
                 if side == "in":
                     tensor = args[0] if args else kwargs["hidden_states"]
                 else:
-                    tensor = first(out)
+                    tensor = out[int(side[3:])] if side[3:] else first(out)
                 captured[key] = tensor.detach().clone()  # a clone: later in-place adds must not change it
 
             if side == "in":
@@ -190,30 +235,37 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
     saved, logits = read_all(model, IDS)
     assert torch.equal(logits, expected_logits)
     for i in range(model.num_layers):
+        extras = {"block": hf_model.base_model_blocks[i]}
         for name, where in truth(i).items():
+            if name not in BY_NAME:  # an extra location some identity needs
+                extras[name] = expected[(i, name)]
+                continue
             if where is None:
                 assert name not in {k.rpartition(".")[2] for k in model.order(i)}
                 continue
             got, want = saved[(i, name)], expected[(i, name)]
             if want.dim() == 2:  # OPT's flattened MLP tensors
                 want = want.view(*IDS.shape, -1)
-            if name == "attention_premix":
-                assert got.shape == (*want.shape[:-1], model.num_heads, want.shape[-1] // model.num_heads)
-                want = want.view(got.shape)
+            if name == "attention_premix":  # [batch, seq, (groups,) width] per head
+                assert got.shape == (*IDS.shape, model.num_heads, want[0, 0].numel() // model.num_heads)
+                want = want.reshape(got.shape)
             assert torch.equal(got, want), f"layer {i} {name}"
         x, a, m, y = (saved[(i, n)] for n in ("layer_input", "attention_output", "mlp_output", "layer_output"))
-        assert x.shape == a.shape == m.shape == y.shape == (2, 7, model.hidden_size)
-        assert torch.equal(formula(x, a, m), y), f"layer {i}: identity"
-        if truth(i)["layer_mid"] is not None:
-            mid = x + a * 0.22 if case == "granite" else x + a  # Granite scales by residual_multiplier
-            assert torch.equal(saved[(i, "layer_mid")], mid)
+        assert a.shape == m.shape == (2, 7, model.hidden_size)
+        assert x.shape == y.shape and x.shape[:2] == (2, 7) and x.shape[-1] == model.hidden_size
+        assert torch.equal(formula(x, a, m, extras), y), f"layer {i}: identity"
         if i + 1 < model.num_layers:
             assert torch.equal(y, expected[(i + 1, "layer_input")])
+        if case in CUSTOM_MID:
+            assert torch.equal(saved[(i, "layer_mid")], CUSTOM_MID[case](x, a, extras["block"]))
+        if case in CUSTOM_IDENTITY:
+            continue
+        if truth(i)["layer_mid"] is not None:
+            assert torch.equal(saved[(i, "layer_mid")], x + a)
         # the plain sum: exact on a sequential block, one ulp of the dtype on a parallel one
-        if case != "granite":
-            plain = x + a + m
-            ulp = torch.finfo(dtype).eps * y.abs().clamp_min(1)
-            assert ((plain - y).abs() <= ulp).all()
+        plain = x + a + m
+        ulp = torch.finfo(dtype).eps * y.abs().clamp_min(1)
+        assert ((plain - y).abs() <= ulp).all()
 
 
 def register_edit(hf_model, module, side, edit):
@@ -287,11 +339,13 @@ def test_edits_and_assignments_reach_the_logits(case):
         both = model.logits.save()
     o_proj, _ = module_of(hf_model, truth, 1, "attention_premix")
     block1 = hf_model.base_model_blocks[1]
-    head_dim = o_proj.weight.shape[0 if type(o_proj).__name__ == "Conv1D" else 1] // model.num_heads
+    config = hf_model.config.get_text_config()
+    head_dim = getattr(config, "v_head_dim", None) or getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads)
 
     def zero_head(t):
         t = t.clone()
-        t[..., :head_dim] = 0
+        t.view(*t.shape[:2], -1)[..., :head_dim] = 0  # head 0: the first head_dim features of each token
         return t
 
     handle = block1.register_forward_pre_hook(

@@ -7,7 +7,10 @@ from transformers import PretrainedConfig
 from ..errors import UnknownArchitecture
 from .base import Block, Family
 from .bloom import BLOOM
+from .deepseek_v4 import DEEPSEEK_V4
 from .falcon import FALCON
+from .gated import DOGE, ZAYA
+from .gemma4 import GEMMA4
 from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
@@ -19,12 +22,12 @@ from .mpt import MPT
 from .opt import OPT
 from .parallel import COHERE, PHI, STABLELM
 from .phi3 import PHI3
-from .sandwich import GEMMA2, GEMMA3, OLMO2, OLMO3
+from .sandwich import GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO2, OLMO3
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
-    LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
-    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3,
+    LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
+    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
 )
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -40,7 +43,7 @@ def family_of(config: PretrainedConfig, architecture: str | None = None) -> Fami
             f"Covered model types: {', '.join(sorted(BY_MODEL_TYPE))}. "
             "Use a covered model, or wrap it with plain nnsight (nnsight.LanguageModel) meanwhile."
         )
-    family.check_config(config)
+    family.check_config(config.get_text_config())
     return family
 
 

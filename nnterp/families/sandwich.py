@@ -1,4 +1,4 @@
-"""Norms after the sublayers: Gemma-2, Gemma-3 (text) and OLMo-2, OLMo-3.
+"""Norms after the sublayers: Gemma-2, Gemma-3 (text, and inside ``Gemma3ForConditionalGeneration``), OLMo-2, OLMo-3.
 
 A contribution is the output of the norm after its sublayer (``post_attention_layernorm``,
 ``post_feedforward_layernorm``), not the sublayer's own return; the identity is the usual
@@ -7,7 +7,7 @@ A contribution is the output of the norm after its sublayer (``post_attention_la
 reads ``layer_input`` and the MLP reads ``layer_mid``.
 """
 
-from transformers import Gemma2Config, Gemma3TextConfig, Olmo2Config, Olmo3Config
+from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, Olmo2Config, Olmo3Config, SiglipVisionConfig
 
 from .base import Family, Unavailable, input, output, pre_norm_block
 
@@ -49,6 +49,16 @@ GEMMA2 = _family("Gemma-2", "gemma2", _gemma_block, lambda: Gemma2Config(
     attn_logit_softcapping=50.0))
 GEMMA3 = _family("Gemma-3", "gemma3_text", _gemma_block, lambda: Gemma3TextConfig(
     **_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=_LAYER_TYPES))
+# Gemma-3 checkpoints of 4B and more are image-text models: the same blocks, under model.language_model.
+GEMMA3_MULTIMODAL = Family(
+    name="Gemma-3 (image-text)", model_types=("gemma3",), layers="model.language_model.layers",
+    embed_tokens="model.language_model.embed_tokens", ln_final="model.language_model.norm",
+    attention="self_attn", mlp="mlp", block=_gemma_block,
+    tiny_config=lambda: Gemma3Config(
+        text_config=GEMMA3.tiny_config().to_dict(), mm_tokens_per_image=16,
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=32, patch_size=8).to_dict()),
+)
 OLMO2 = _family("OLMo-2", "olmo2", _olmo2_block, lambda: Olmo2Config(**_SMALL))
 OLMO3 = _family("OLMo-3", "olmo3", _olmo2_block, lambda: Olmo3Config(**_SMALL, sliding_window=4,
                                                                       layer_types=_LAYER_TYPES))

@@ -1,0 +1,60 @@
+"""Gemma-4 (text): norms after the sublayers, an optional per-layer input, and a per-block scale.
+
+``layer_output = (((layer_input + attention_output) + mlp_output) + per_layer_input_output) * layer_scalar``
+where the contributions are the outputs of ``post_attention_layernorm`` and
+``post_feedforward_layernorm``, the per-layer-input branch (when
+``hidden_size_per_layer_input > 0``) is ``post_per_layer_input_norm``'s output, and
+``layer_scalar`` is the block's buffer: the stream is rescaled every block, so
+``layer_output`` is not ``layer_input`` plus the contributions. With ``enable_moe_block`` the
+MLP contribution is the dense MLP and the experts together, so the dense MLP's activation
+is not the block's: ``mlp_activation`` and ``mlp_neurons`` are unavailable.
+"""
+
+from transformers import Gemma4TextConfig
+
+from .base import ROUTED, Block, Family, output, pre_norm_block
+
+_SCALED = "layer_output = (layer_input + attention_output + mlp_output{ple}) * layer_scalar"
+
+
+def _block(config, i):
+    ple = bool(config.hidden_size_per_layer_input)
+    moe = bool(getattr(config, "enable_moe_block", False))
+    base = pre_norm_block(
+        input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
+        post_norm="pre_feedforward_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
+        attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
+        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if moe else {}),
+    )
+
+    def combine(t, block):
+        stream = (t["layer_input"] + t["attention_output"]) + t["mlp_output"]
+        if ple:
+            stream = stream + t["per_layer_input_output"]
+        return stream * block.layer_scalar
+
+    return Block(
+        values=base.values,
+        formula=_SCALED.format(ple=" + per_layer_input_output" if ple else ""),
+        combine=combine,
+        extra={"per_layer_input_output": output("post_per_layer_input_norm")} if ple else {},
+    )
+
+
+GEMMA4 = Family(
+    name="Gemma-4",
+    model_types=("gemma4_text",),
+    layers="model.layers",
+    embed_tokens="model.embed_tokens",
+    ln_final="model.norm",
+    attention="self_attn",
+    mlp="mlp",
+    block=_block,
+    tiny_config=lambda: Gemma4TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, head_dim=16, global_head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+)
