@@ -427,3 +427,32 @@ def test_check_identity_catches_a_wrong_spec():
     results = check_identity(model)
     assert results[0].exact and not results[1].exact and results[1].max_abs_diff > 0
     assert "MISMATCH" in str(results[1])
+
+
+def test_order_differs_between_blocks_of_one_model():
+    model, *_ = make("deepseek_v3", torch.float32)  # block 0 dense, the others routed
+    assert "mlp.mlp_activation" in model.order(0) and "mlp.mlp_activation" not in model.order(1)
+    with pytest.raises(ValueUnavailable, match="routed mixture of experts"):
+        with model.trace(IDS):
+            model.layers[1].mlp.mlp_activation.save()
+
+
+def test_values_at_one_location_share_a_rank():
+    model, *_ = make("olmo2", torch.float32)  # layer_mid and mlp_input are both the MLP's input
+    order = model.order(0)
+    assert order["layer_mid"] == order["mlp_input"]
+    assert "attention_norm_output" not in order
+    model, *_ = make("gptj", torch.float32)  # one norm feeds both sublayers
+    assert model.order(0)["mlp_norm_output"] == model.order(0)["attention_norm_output"]
+
+
+def test_falcon_parallel_mlp_output_is_not_the_in_place_sum():
+    model, hf_model, *_ = make("falcon_7b_parallel", torch.float32)
+    with torch.no_grad(), model.trace(IDS):
+        x = model.layers[0].layer_input.save()
+        a = model.layers[0].self_attn.attention_output.save()
+        m = model.layers[0].mlp.mlp_output.save()
+        raw = model.layers[0].mlp.output.save()  # the model's own tensor, which becomes m + a in place
+        y = model.layers[0].layer_output.save()
+    assert torch.equal(raw, m + a) and not torch.equal(m, raw)
+    assert torch.equal((m + a) + x, y)
