@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from nnsight.modeling.transformers import TransformersModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .catalog import BY_NAME, CATALOG
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, MLPEnvoy, Slot
-from .errors import NNterpError, ValueUnavailable
+from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, Unavailable, record_leading_shape
 
@@ -33,9 +33,10 @@ class Availability:
         return self.location if self.available else f"unavailable: {self.reason}"
 
 
-def _load(name: str | os.PathLike, tokenizer, from_pretrained_kwargs: dict):
+def _load(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kwargs: dict):
+    """Config, tokenizer and validation first; the weights only once the spec is proven."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False))
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(name)
     except OSError as error:
@@ -44,7 +45,24 @@ def _load(name: str | os.PathLike, tokenizer, from_pretrained_kwargs: dict):
             "provide it (no network, HF_HUB_OFFLINE set, or no such repository). Pass a local folder, or a hub "
             f"name with network access. Cause: {error}"
         ) from error
-    return model, tokenizer
+    architecture = _architecture_of(config)
+    family_of(config, architecture.__name__)
+    events = None
+    if validate:
+        from .validation import validate as validate_spec
+
+        events = validate_spec(config, architecture, tokenizer)
+    return architecture.from_pretrained(name, **from_pretrained_kwargs), tokenizer, events
+
+
+def _architecture_of(config) -> type[PreTrainedModel]:
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise UnknownArchitecture(
+            f"transformers has no causal language model for {type(config).__name__} (model_type "
+            f"{config.model_type!r}); nnterp covers decoder language models."
+        ) from None
 
 
 class StandardizedTransformer(TransformersModel):
@@ -53,11 +71,17 @@ class StandardizedTransformer(TransformersModel):
     ``StandardizedTransformer("org/name" or "/local/folder", **from_pretrained_kwargs)`` loads a
     model and its tokenizer; ``StandardizedTransformer(model, tokenizer=tok)`` wraps one that is
     already built. Either way the model is put in eval mode.
+
+    ``validate=True`` (the default) proves the family spec on a miniature of the model's config
+    (same classes, tiny sizes, random weights; never this model's weights) before the values are
+    trusted, once per architecture and config shape; it raises ``ValidationError`` if it fails.
     """
 
-    def __init__(self, model: str | os.PathLike | PreTrainedModel, tokenizer=None, **from_pretrained_kwargs):
+    def __init__(self, model: str | os.PathLike | PreTrainedModel, tokenizer=None, *, validate: bool = True,
+                 **from_pretrained_kwargs):
+        validated = None  # the forward events of the validated miniature
         if isinstance(model, (str, os.PathLike)):
-            model, tokenizer = _load(model, tokenizer, from_pretrained_kwargs)
+            model, tokenizer, validated = _load(model, tokenizer, validate, from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
@@ -92,7 +116,13 @@ class StandardizedTransformer(TransformersModel):
             block.mlp._nnterp_slot = slot
             if any(isinstance(loc, At) and loc.unflatten for loc in self._nnterp_blocks[i].values.values()):
                 block._module.register_forward_pre_hook(record_leading_shape, with_kwargs=True)
-        self._forward_events = self._record_forward_events()
+        self._module_names = {module: name for name, module in model.named_modules()}
+        if validate and not validated:
+            from .validation import validate as validate_spec
+
+            validated = validate_spec(model.config, type(model), tokenizer)
+        # from the validated miniature (same architecture, same names) when there is one
+        self._forward_events = validated or forward_events(model)
 
     # -- model-level names --------------------------------------------------------------
     @property
@@ -183,7 +213,7 @@ class StandardizedTransformer(TransformersModel):
         return sorted(timeline, key=lambda item: item[0])
 
     def _event_index(self, module: torch.nn.Module, side: str, key: str) -> int:
-        index = self._forward_events.get((id(module), side))
+        index = self._forward_events.get((self._module_names[module], side))
         if index is None:
             raise NNterpError(
                 f"The module where '{key}' is read never ran in a forward pass of this {self.family.name} "
@@ -191,37 +221,45 @@ class StandardizedTransformer(TransformersModel):
             )
         return index
 
-    def _record_forward_events(self) -> dict[tuple[int, str], int]:
-        """The order module inputs and outputs fire in one forward pass (first call of each).
 
-        Run once at construction, outside any trace, on fake tensors: no compute and no memory,
-        whatever the model's size.
-        """
-        events: dict[tuple[int, str], int] = {}
+SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one
 
-        def record(module, side):
-            events.setdefault((id(module), side), len(events))
 
-        handles = []
-        for block in self.layers:
-            for module in block._module.modules():
-                handles.append(module.register_forward_pre_hook(lambda m, *_: record(m, "input")))
-                handles.append(module.register_forward_hook(lambda m, *_: record(m, "output")))
-        try:
-            device = next(self._module.parameters()).device
-            ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-            level, fake_log.level = fake_log.level, logging.CRITICAL
+def forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
+    """The order module inputs and outputs fire in a forward pass (first call of each), by module name.
+
+    The order depends on the architecture, not the weights: a small model runs two real tokens,
+    a large one runs on fake tensors (no compute, no memory).
+    """
+    events: dict[tuple[str, str], int] = {}
+
+    def recorder(name: str, side: str):
+        def hook(*_):  # returns None: the hook must not replace the module's inputs or output
+            events.setdefault((name, side), len(events))
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(recorder(name, "input")))
+        handles.append(module.register_forward_hook(recorder(name, "output")))
+    parameters = list(model.parameters())
+    ids = torch.zeros(1, 2, dtype=torch.long, device=parameters[0].device)
+    small = sum(p.numel() for p in parameters) < SMALL_ENOUGH_TO_RUN and parameters[0].device.type != "meta"
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    try:
+        if not small:
+            fake_log.level = logging.CRITICAL
             try:
                 with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-                    self._module(input_ids=ids)
-            except Exception:  # an op without a fake kernel (grouped_mm in float32): two real tokens
+                    model(input_ids=ids)
+                return events
+            except Exception:  # an op without a fake kernel (grouped_mm in float32): run it for real
                 events.clear()
-                with torch.no_grad():
-                    self._module(input_ids=ids)
-            finally:
-                fake_log.level = level
-        finally:
-            for handle in handles:
-                handle.remove()
+        with torch.no_grad():
+            model(input_ids=ids)
         return events
+    finally:
+        fake_log.level = level
+        for handle in handles:
+            handle.remove()

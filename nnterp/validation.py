@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import nnsight
 import torch
+
+from .embedded import cache_root
+from .errors import NNterpError
+from .miniature import miniature_config
 
 
 IDENTITY_TERMS = ("layer_input", "attention_output", "mlp_output", "layer_output")
@@ -41,3 +47,124 @@ def check_identity(model, inputs=None) -> list[IdentityResult]:
         diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
         results.append(IdentityResult(i, block.formula, torch.equal(recomputed, values["layer_output"]), diff))
     return results
+
+
+# -- validation at load, on a miniature of the config ------------------------------------
+
+class ValidationError(NNterpError):
+    """The family spec does not hold on this model's architecture."""
+
+
+def _expected_dims(model, name: str) -> tuple[int | None, ...]:
+    """The shape a value must have for the validation input ``[1, SEQ]`` (None: any size)."""
+    hidden = model.hidden_size
+    if name == "attention_premix":
+        return (1, SEQ, model.num_heads, None)
+    if name in ("mlp_activation", "mlp_neurons"):
+        return (1, SEQ, None)
+    if name in ("layer_input", "layer_mid", "layer_output"):
+        return (1, SEQ, hidden)  # or [1, SEQ, streams, hidden]: checked below
+    return (1, SEQ, hidden)
+
+
+def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
+    expected = _expected_dims(model, name)
+    if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 4:
+        expected = (1, SEQ, None, model.hidden_size)  # parallel streams
+    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
+        readable = ["*" if e is None else e for e in expected]
+        return f"has shape {list(shape)}, expected {readable}"
+    return None
+
+
+SEQ = 5
+_VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
+
+
+def validation_key(config, architecture: type) -> str:
+    """(architecture, miniature config, library versions): what a validation result depends on."""
+    import nnsight as _nnsight
+    import transformers
+
+    from . import __version__
+
+    text = json.dumps([architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
+                       torch.__version__, transformers.__version__, _nnsight.__version__, __version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def build_miniature(config, architecture: type):
+    """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
+    mini_config = miniature_config(config)
+    mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
+    generator = torch.Generator().manual_seed(0)
+    with torch.device("cpu"):
+        mini = architecture._from_config(mini_config, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in mini.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        for name, buffer in mini.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.7)
+    return mini.eval()
+
+
+def problems_of(model) -> list[str]:
+    """Every way the family spec fails on ``model``: shapes of the values, and the identity."""
+    problems = []
+    ids = torch.arange(1, SEQ + 1).remainder(model.vocab_size).unsqueeze(0)
+    with torch.no_grad(), model.trace(ids):
+        shapes = nnsight.save({})
+        for i in range(model.num_layers):
+            for key in model.order(i):
+                shapes[(i, key)] = tuple(model._read_value(i, key.rpartition(".")[2]).shape)
+    for (i, key), shape in shapes.items():
+        problem = _shape_problem(model, key.rpartition(".")[2], shape)
+        if problem:
+            problems.append(f"layer {i}: '{key}' {problem}")
+    problems += [f"{result} (the identity)" for result in check_identity(model, ids) if not result.exact]
+    return problems
+
+
+def validate(config, architecture: type, tokenizer, use_cache: bool = True) -> dict[tuple[str, str], int]:
+    """Prove the family spec of ``architecture`` with ``config`` on a miniature; raise ``ValidationError`` if it fails.
+
+    No weight is read or allocated at the real size: the miniature has the same classes and
+    options with tiny sizes. Results are cached per (architecture, config shape, library
+    versions), in memory and in the cache folder.
+    """
+    key = validation_key(config, architecture)
+    marker = cache_root() / "validated" / f"{key}.json"
+    if use_cache and key not in _VALIDATED and marker.is_file():
+        try:
+            _VALIDATED[key] = {(name, side): i for i, (name, side) in enumerate(json.loads(marker.read_text())["events"])}
+        except (OSError, ValueError, KeyError):
+            pass  # an unreadable marker: validate again
+    if use_cache and key in _VALIDATED:
+        return _VALIDATED[key]
+    from .families import family_of
+    from .standardized import StandardizedTransformer
+
+    family = family_of(config, architecture.__name__)
+    try:
+        mini = StandardizedTransformer(build_miniature(config, architecture), tokenizer=tokenizer, validate=False)
+        problems = problems_of(mini)
+    except NNterpError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure here means the spec is not proven
+        problems = [f"the miniature could not be traced: {type(error).__name__}: {error}"]
+    if problems:
+        raise ValidationError(
+            f"The {family.name} spec does not hold on {architecture.__name__} "
+            f"(checked on a miniature of its config):\n  " + "\n  ".join(problems) +
+            "\nThe standard values would be wrong on this model. Please report it with the model's config; "
+            "StandardizedTransformer(..., validate=False) skips this check at your own risk."
+        )
+    _VALIDATED[key] = events = mini._forward_events
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"architecture": architecture.__name__, "family": family.name,
+                                      "events": sorted(events, key=events.get)}))
+    except OSError:
+        pass  # a read-only cache only costs a re-validation next time
+    return events

@@ -1,0 +1,72 @@
+"""A miniature of a config: the same classes and options, tiny sizes.
+
+Validation proves a family spec on it instead of on the real weights. Every option that
+shapes a block (parallel flags, norms, biases, layer types, which layers are mixtures of
+experts, GQA ratio, per-block lists) is kept; only sizes shrink. The layer count is kept too,
+so each block type of the model is there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from transformers import PretrainedConfig
+
+HEADS = 4
+HEAD_DIM = 8
+# size attribute -> the miniature's value (only where the config has the attribute set)
+SIZES = {
+    "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM,
+    "o_lora_rank": 8, "index_head_dim": 8, "index_n_heads": 2, "router_hidden_size": 8, "rotary_dim": 4,
+    "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
+}
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``config`` (the full config, text and vision parts) with every size shrunk."""
+    mini = copy.deepcopy(config)
+    for part in {id(c): c for c in (mini, mini.get_text_config(), getattr(mini, "vision_config", None)) if c}.values():
+        _shrink(part)
+    return mini
+
+
+def _set(config: PretrainedConfig, name: str, value) -> None:
+    try:
+        setattr(config, name, value)
+    except AttributeError:  # a derived property (Falcon's head_dim): it follows the sizes it derives from
+        pass
+
+
+def _shrink(config: PretrainedConfig) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    if heads:
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        config.num_attention_heads = HEADS
+        if getattr(config, "num_key_value_heads", None):
+            config.num_key_value_heads = max(1, HEADS * kv // heads)
+        if getattr(config, "num_kv_heads", None):  # Falcon's name
+            config.num_kv_heads = max(1, HEADS * config.num_kv_heads // heads)
+        if getattr(config, "head_dim", None):
+            _set(config, "head_dim", HEAD_DIM)
+        config.hidden_size = HEADS * HEAD_DIM
+    for name, size in SIZES.items():
+        if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
+            setattr(config, name, size)
+    for name in EXPERT_COUNTS:
+        if getattr(config, name, None):
+            setattr(config, name, min(getattr(config, name), 4))
+    for name, limit in (("num_experts_per_tok", 2), ("top_k_experts", 2), ("n_group", 2), ("topk_group", 1)):
+        if getattr(config, name, None):
+            setattr(config, name, min(getattr(config, name), limit))
+    if getattr(config, "qk_rope_head_dim", None) and getattr(config, "qk_nope_head_dim", None):  # MLA
+        _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
+        _set(config, "head_dim", config.qk_rope_head_dim)
+    vocab = getattr(config, "vocab_size", None)
+    for name in TOKEN_IDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and vocab and value >= vocab:
+            setattr(config, name, vocab - 1)
