@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -41,6 +42,64 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int) -> None:
     print(f"\nDone in {time.perf_counter() - start:.1f} s.")
 
 
+def check(model_name: str) -> int:
+    """Print where every value of a model is read and whether the spec holds; 0 when it does."""
+    import time
+
+    import torch
+
+    from . import StandardizedTransformer
+    from .embedded import embedded_model_path
+    from .validation import ValidationError, check_identity, validate
+
+    path = str(embedded_model_path()) if model_name == "embedded" else model_name
+    model = StandardizedTransformer(path, validate=False)
+    hf = model._module
+    print(f"{model_name}: {type(hf).__name__}, family {model.family.name}, {model.num_layers} layers, "
+          f"hidden {model.hidden_size}, {model.num_heads} heads")
+    failed = False
+    start = time.perf_counter()
+    try:
+        validate(hf.config, type(hf), model.tokenizer, use_cache=False)
+        print(f"validation on a miniature of the config: passed ({time.perf_counter() - start:.2f} s)")
+    except ValidationError as error:
+        failed = True
+        print(f"validation on a miniature of the config: FAILED\n{error}")
+
+    groups: dict[tuple, list[int]] = {}
+    for i in range(model.num_layers):
+        block = model.block_spec(i)
+        signature = (tuple((k, str(a)) for k, a in model.availability(i).items()), block.formula)
+        groups.setdefault(signature, []).append(i)
+    for (values, formula), layers in groups.items():
+        print(f"\nlayers {_ranges(layers)}:")
+        for key, where in values:
+            print(f"  {key:28} {where}")
+        print(f"  identity: {formula}")
+
+    ids = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
+    results = check_identity(model, ids)
+    exact = sum(r.exact for r in results)
+    print(f"\nidentity on the model's own weights (8 tokens): {exact}/{len(results)} blocks exact")
+    for result in results:
+        if not result.exact:
+            failed = True
+            print(f"  {result}")
+    print("FAILED" if failed else "OK")
+    return 1 if failed else 0
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for i in layers:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nnterp")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -49,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--prompt", default="The Eiffel Tower is in the city of")
     run.add_argument("--target", default=" Paris")
     run.add_argument("--layer", type=int, default=5)
+    checker = commands.add_parser("check", help="where every value of a model is read, and whether the spec holds")
+    checker.add_argument("model", help="a local model folder, a hub name, or 'embedded'")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        sys.exit(check(args.model))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     demo(args.model, args.prompt, args.target, args.layer)
 

@@ -58,3 +58,13 @@ AttentionEnvoy = _envoy_class("AttentionEnvoy", "self_attn")
 MLPEnvoy = _envoy_class("MLPEnvoy", "mlp")
 # A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block.
 BlockWithMLPEnvoy = _envoy_class("BlockWithMLPEnvoy", "block", "mlp", mlp=property(lambda self: self))
+
+
+class LayersEnvoy(Envoy):
+    """The block list: an index out of range says so, instead of a missing attribute."""
+
+    def __getitem__(self, key: Any) -> Envoy:
+        count = len(self._module)
+        if isinstance(key, int) and not -count <= key < count:
+            raise IndexError(f"Layer {key} is out of range: the model has {count} layers (0 to {count - 1}).")
+        return super().__getitem__(key)

@@ -12,7 +12,7 @@ from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .catalog import BY_NAME, CATALOG
-from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, MLPEnvoy, Slot
+from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, Unavailable, record_leading_shape
@@ -101,6 +101,7 @@ class StandardizedTransformer(TransformersModel):
             task="text-generation",
             rename=family.rename(),
             envoys={
+                family.layers: LayersEnvoy,
                 f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
                 f"{family.layers}.*.{family.attention}": AttentionEnvoy,
                 **({f"{family.layers}.*.{family.mlp}": MLPEnvoy} if family.mlp else {}),

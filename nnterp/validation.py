@@ -11,6 +11,8 @@ import torch
 
 from .embedded import cache_root
 from .errors import NNterpError
+from .catalog import CATALOG
+from .families.base import SEQUENTIAL
 from .miniature import miniature_config
 
 
@@ -82,13 +84,19 @@ _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
 def validation_key(config, architecture: type) -> str:
-    """(architecture, miniature config, library versions): what a validation result depends on."""
+    """(architecture, miniature config, family spec, library versions): what a validation result depends on."""
     import nnsight as _nnsight
     import transformers
 
     from . import __version__
 
-    text = json.dumps([architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
+    from .families import family_of
+
+    text_config = config.get_text_config()
+    family = family_of(config, architecture.__name__)
+    spec = [(sorted(map(repr, block.values.items())), repr(block.extra), block.formula)
+            for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
+    text = json.dumps([architecture.__name__, miniature_config(config).to_json_string(use_diff=False), repr(spec),
                        torch.__version__, transformers.__version__, _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -114,16 +122,35 @@ def problems_of(model) -> list[str]:
     problems = []
     ids = torch.arange(1, SEQ + 1).remainder(model.vocab_size).unsqueeze(0)
     with torch.no_grad(), model.trace(ids):
-        shapes = nnsight.save({})
+        read = nnsight.save([{} for _ in range(model.num_layers)])
         for i in range(model.num_layers):
-            for key in model.order(i):
-                shapes[(i, key)] = tuple(model._read_value(i, key.rpartition(".")[2]).shape)
-    for (i, key), shape in shapes.items():
-        problem = _shape_problem(model, key.rpartition(".")[2], shape)
-        if problem:
-            problems.append(f"layer {i}: '{key}' {problem}")
-    problems += [f"{result} (the identity)" for result in check_identity(model, ids) if not result.exact]
+            for _, key, location in model._timeline(i):
+                read[i][key.rpartition(".")[2]] = location.read(model.layers[i], model.num_heads)
+    for i, values in enumerate(read):
+        block = model.block_spec(i)
+        for value in CATALOG:
+            if value.name in values:
+                problem = _shape_problem(model, value.name, tuple(values[value.name].shape))
+                if problem:
+                    problems.append(f"layer {i}: '{value.key}' {problem}")
+        if problems:
+            continue
+        recomputed = block.combine(values, model.layers[i]._module)
+        if not torch.equal(recomputed, values["layer_output"]):
+            diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
+            problems.append(f"layer {i}: the identity fails (max |diff| {diff:.3g}): {block.formula}; "
+                            + _suspects(block, values))
     return problems
+
+
+def _suspects(block, values) -> str:
+    """Which values a failed identity points at, from the attention half where it can be checked alone."""
+    x, a, mid = values["layer_input"], values["attention_output"], values.get("layer_mid")
+    if mid is None or block.formula != SEQUENTIAL:
+        return "one of 'layer_input', 'self_attn.attention_output', 'mlp.mlp_output', 'layer_output' is misplaced"
+    if torch.equal(mid, x + a):
+        return "layer_mid == layer_input + attention_output holds, so 'mlp.mlp_output' or 'layer_output' is misplaced"
+    return "layer_mid != layer_input + attention_output, so 'self_attn.attention_output', 'layer_input' or 'layer_mid' is misplaced"
 
 
 def validate(config, architecture: type, tokenizer, use_cache: bool = True) -> dict[tuple[str, str], int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import nnsight
 import pytest
 import torch
 from transformers import BloomConfig, GPT2Config, GPT2LMHeadModel
@@ -117,3 +118,70 @@ def test_bad_assignment_is_refused_and_the_model_stays_usable(llama, bad, messag
 def test_configs_without_a_residual_identity_are_refused(config, message):
     with pytest.raises(UnsupportedConfig, match=message):
         StandardizedTransformer(build_tiny(config()), tokenizer=tiny_tokenizer())
+
+
+def test_layer_index_out_of_range_inside_a_trace(llama):
+    with pytest.raises(IndexError, match="Layer 99 is out of range: the model has 3 layers"):
+        with llama.trace(IDS):
+            llama.layers[99].layer_output.save()
+    with llama.trace(IDS):
+        last = llama.layers[-1].layer_output.save()
+    assert last.shape == (1, 4, 64)
+
+
+def test_hub_name_without_network_says_so():
+    with pytest.raises(OSError, match="no network, HF_HUB_OFFLINE set"):
+        StandardizedTransformer("nnterp-tests/no-such-model")
+
+
+def test_remote_code_is_not_run_unless_asked(tmp_path):
+    marker = tmp_path / "code-ran"
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "toy_remote", "auto_map": {"AutoConfig": "configuration_toy.ToyConfig"}}')
+    (tmp_path / "configuration_toy.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    with pytest.raises((ValueError, OSError), match="trust_remote_code"):
+        StandardizedTransformer(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_batch_without_pad_token_says_what_to_set():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "the": 1, "cat": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")  # neither pad nor eos
+    model = StandardizedTransformer(build_tiny(BY_MODEL_TYPE["llama"].tiny_config()), tokenizer=tok)
+    with pytest.raises(ValueError, match="pad_token"):
+        with model.trace(["the cat", "the"]):
+            model.logits.save()
+
+
+def test_padded_batch_gives_each_prompt_its_single_values(llama):
+    prompts = ["the cat sat on the mat", "the dog"]
+    with torch.no_grad(), llama.trace(prompts):
+        batch_mlp = llama.layers[1].mlp.mlp_output.save()
+        batch = nnsight.save([llama.layers[i].layer_output for i in range(1, 3)])
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad(), llama.trace(prompt):
+            single_mlp = llama.layers[1].mlp.mlp_output.save()
+            single = nnsight.save([llama.layers[i].layer_output for i in range(1, 3)])
+        n = single[0].shape[1]  # left padding: the prompt's tokens are the last n
+        for b, s in zip(batch, single):
+            assert torch.allclose(b[row, -n:], s[0], atol=1e-5)
+        assert torch.allclose(batch_mlp[row, -n:], single_mlp[0], atol=1e-5)
+
+
+def test_thousands_of_traces_keep_memory_flat(llama):
+    import resource
+
+    def run(n):
+        for _ in range(n):
+            with torch.no_grad(), llama.trace(IDS):
+                llama.layers[1].mlp.mlp_output.save()
+                llama.layers[2].layer_output.save()
+
+    run(200)  # warm up caches
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run(2000)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 50  # MiB

@@ -159,7 +159,7 @@ CASES = {
     "qwen3_moe": (tiny("qwen3_moe"), lambda i: ROUTED if i == 1 else LLAMA, seq, False),  # decoder_sparse_step=2
     "deepseek_v3": (tiny("deepseek_v3"), lambda i: LLAMA if i == 0 else ROUTED, seq, False),  # first_k_dense=1
 }
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 
 

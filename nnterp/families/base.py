@@ -85,6 +85,9 @@ class Family:
 # -- shared shapes ----------------------------------------------------------------
 
 
+SEQUENTIAL = "layer_output = (layer_input + attention_output) + mlp_output"
+
+
 def sequential(x, a, m):
     """``(layer_input + attention_output) + mlp_output``: the add order of a sequential block."""
     return (x + a) + m
@@ -99,7 +102,7 @@ def pre_norm_block(
     mlp: str,
     act: str,
     down_proj: str,
-    formula: str = "layer_output = (layer_input + attention_output) + mlp_output",
+    formula: str = SEQUENTIAL,
     combine: Callable[[Terms, torch.nn.Module], torch.Tensor] | None = None,
     ulps: int = 0,
     **overrides: Location,
