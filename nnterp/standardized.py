@@ -157,8 +157,22 @@ class StandardizedTransformer(TransformersModel):
         return self._nnterp_text_config.vocab_size
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits from a stream tensor: the family's final norm, then its head."""
-        return self.lm_head(self.ln_final(hidden))
+        """Logits from a stream tensor, read out as the model reads its last block's output.
+
+        The family's final norm and head, with what the model does around them (collapsing
+        parallel streams first, softcapping or scaling the logits after). On the last block's
+        ``layer_output`` it gives the model's own logits.
+        """
+        family = self.family
+        if family.stream_readout:
+            hidden = self._module.get_submodule(family.stream_readout)(hidden)
+        norm_weight = getattr(self.ln_final._module, "weight", None)
+        if norm_weight is not None and hidden.dtype != norm_weight.dtype:
+            hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
+        logits = self.lm_head(self.ln_final(hidden))
+        if family.logits_transform:
+            logits = family.logits_transform(logits, self._module.config)
+        return logits
 
     # -- per-block values ---------------------------------------------------------------
     def block_spec(self, layer: int) -> Block:

@@ -456,3 +456,14 @@ def test_falcon_parallel_mlp_output_is_not_the_in_place_sum():
         y = model.layers[0].layer_output.save()
     assert torch.equal(raw, m + a) and not torch.equal(m, raw)
     assert torch.equal((m + a) + x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_project_on_vocab_of_the_last_block_is_the_logits(case, dtype):
+    model, *_ = make(case, dtype)
+    with torch.no_grad(), model.trace(IDS):
+        last = model.layers[-1].layer_output.save()
+        logits = model.logits.save()
+    with torch.no_grad():
+        assert torch.equal(model.project_on_vocab(last), logits)

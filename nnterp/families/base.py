@@ -68,6 +68,10 @@ class Family:
     tiny_config: Callable[[], PretrainedConfig]
     lm_head: str = "lm_head"
     check_config: Callable[[PretrainedConfig], None] = lambda config: None
+    # the readout after the last block: a module that collapses parallel streams before the final
+    # norm (DeepSeek-V4's hc_head), and what the model does to the head's output (softcapping, scales)
+    stream_readout: str | None = None
+    logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
 
     def rename(self) -> dict[str, str]:
         """nnsight aliases that give every family the same module names."""
@@ -80,6 +84,14 @@ class Family:
             **({self.mlp: "mlp"} if self.mlp else {}),
         }
         return {native: alias for native, alias in names.items() if native != alias}
+
+
+def softcap_logits(logits: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    """Gemma's final-logit softcapping, ``tanh(logits / cap) * cap``, in the model's order."""
+    cap = config.get_text_config().final_logit_softcapping
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 # -- shared shapes ----------------------------------------------------------------

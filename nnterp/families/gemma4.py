@@ -12,7 +12,7 @@ is not the block's: ``mlp_activation`` and ``mlp_neurons`` are unavailable.
 
 from transformers import Gemma4TextConfig
 
-from .base import ROUTED, Block, Family, output, pre_norm_block
+from .base import ROUTED, Block, Family, output, pre_norm_block, softcap_logits
 
 _SCALED = "layer_output = (layer_input + attention_output + mlp_output{ple}) * layer_scalar"
 
@@ -50,6 +50,7 @@ GEMMA4 = Family(
     attention="self_attn",
     mlp="mlp",
     block=_block,
+    logits_transform=softcap_logits,
     tiny_config=lambda: Gemma4TextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, head_dim=16, global_head_dim=16, sliding_window=4,

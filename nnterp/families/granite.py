@@ -31,6 +31,7 @@ GRANITE = Family(
     attention="self_attn",
     mlp="mlp",
     block=_block,
+    logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: GraniteConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22,

@@ -20,9 +20,10 @@ def _stablelm_block(config, i):
     return pre_norm_block(post_norm="post_attention_layernorm", **modules)
 
 
-def _family(name, model_type, ln_final, block, tiny_config):
+def _family(name, model_type, ln_final, block, tiny_config, **readout):
     return Family(name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
-                  ln_final=ln_final, attention="self_attn", mlp="mlp", block=block, tiny_config=tiny_config)
+                  ln_final=ln_final, attention="self_attn", mlp="mlp", block=block, tiny_config=tiny_config,
+                  **readout)
 
 
 PHI = _family("Phi", "phi", "model.final_layernorm", lambda config, i: parallel_block(
@@ -33,4 +34,5 @@ STABLELM = _family("StableLM", "stablelm", "model.norm", _stablelm_block,
 COHERE = _family("Cohere", "cohere", "model.norm", lambda config, i: parallel_block(
     input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
     act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m"),
-    lambda: CohereConfig(**_SMALL, num_key_value_heads=2, use_qk_norm=False))
+    lambda: CohereConfig(**_SMALL, num_key_value_heads=2, use_qk_norm=False, logit_scale=0.5),
+    logits_transform=lambda logits, config: logits * config.logit_scale)  # Cohere scales the head's output

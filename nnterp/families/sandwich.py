@@ -9,7 +9,7 @@ reads ``layer_input`` and the MLP reads ``layer_mid``.
 
 from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, Olmo2Config, Olmo3Config, SiglipVisionConfig
 
-from .base import Family, Unavailable, input, output, pre_norm_block
+from .base import Family, Unavailable, input, output, pre_norm_block, softcap_logits
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -37,23 +37,24 @@ def _olmo2_block(config, i):
     )
 
 
-def _family(name, model_type, block, tiny_config):
+def _family(name, model_type, block, tiny_config, **readout):
     return Family(
         name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
-        ln_final="model.norm", attention="self_attn", mlp="mlp", block=block, tiny_config=tiny_config,
+        ln_final="model.norm", attention="self_attn", mlp="mlp", block=block, tiny_config=tiny_config, **readout,
     )
 
 
 GEMMA2 = _family("Gemma-2", "gemma2", _gemma_block, lambda: Gemma2Config(
     **_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=30.0,
-    attn_logit_softcapping=50.0))
+    attn_logit_softcapping=50.0), logits_transform=softcap_logits)
 GEMMA3 = _family("Gemma-3", "gemma3_text", _gemma_block, lambda: Gemma3TextConfig(
-    **_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=_LAYER_TYPES))
+    **_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=_LAYER_TYPES,
+    final_logit_softcapping=30.0), logits_transform=softcap_logits)
 # Gemma-3 checkpoints of 4B and more are image-text models: the same blocks, under model.language_model.
 GEMMA3_MULTIMODAL = Family(
     name="Gemma-3 (image-text)", model_types=("gemma3",), layers="model.language_model.layers",
     embed_tokens="model.language_model.embed_tokens", ln_final="model.language_model.norm",
-    attention="self_attn", mlp="mlp", block=_gemma_block,
+    attention="self_attn", mlp="mlp", block=_gemma_block,  # no final softcapping in this class
     tiny_config=lambda: Gemma3Config(
         text_config=GEMMA3.tiny_config().to_dict(), mm_tokens_per_image=16,
         vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
