@@ -8,12 +8,12 @@ import sys
 import time
 
 
-def demo(model_path: str | None, prompt: str, target: str, layer: int) -> None:
+def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str | None) -> None:
     import torch
 
     from . import StandardizedTransformer
     from .embedded import NAME, load_embedded
-    from .lens import logit_lens, top_tokens
+    from .lens import _lens_table, logit_lens
 
     start = time.perf_counter()
     model = StandardizedTransformer(model_path) if model_path else load_embedded()
@@ -30,16 +30,35 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int) -> None:
     print("  layer_input + attention_output + mlp_output == layer_output:", torch.equal(x + attn + mlp, out))
     print(f"  order({layer}):", model.order(layer), "\n")
 
-    target_id = model.tokenizer.encode(target, add_special_tokens=False)[0]
     probs = logit_lens(model, prompt)[0]
-    tops = top_tokens(model, probs.unsqueeze(0), k=3)[0]
     print(f"Logit lens for {prompt!r}: each block's layer_output through the final norm and head")
-    print(f"  {'layer':>5}  {'P(' + repr(target) + ')':>12}  {'rank':>6}  top-3")
-    for i, (p, top) in enumerate(zip(probs, tops)):
-        rank = int((p > p[target_id]).sum()) + 1
-        shown = ", ".join(f"{tok!r} {q:.2f}" for tok, q in top)
-        print(f"  {i:>5}  {float(p[target_id]):>12.4f}  {rank:>6}  {shown}")
+    print(_lens_table(model, probs, target))
+    if plot:
+        _write_plot(model, prompt, plot)
     print(f"\nDone in {time.perf_counter() - start:.1f} s.")
+
+
+def _write_plot(model, prompt: str, path: str) -> None:
+    from .plots import plot_logit_lens
+
+    try:
+        written = plot_logit_lens(model, prompt, path)
+    except ModuleNotFoundError as error:
+        print(f"(no picture: {error})")
+        return
+    print(f"Wrote the logit-lens heatmap to {written}")
+
+
+def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> None:
+    """Print a prompt's logit-lens table and write its heatmap."""
+    from .embedded import embedded_model_path
+    from .lens import _lens_table, logit_lens
+    from .standardized import StandardizedTransformer
+
+    model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
+    print(_lens_table(model, logit_lens(model, prompt)[0], target))
+    if plot:
+        _write_plot(model, prompt, plot)
 
 
 def check(model_name: str) -> int:
@@ -108,13 +127,22 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--prompt", default="The Eiffel Tower is in the city of")
     run.add_argument("--target", default=" Paris")
     run.add_argument("--layer", type=int, default=5)
+    run.add_argument("--plot", default="nnterp-logit-lens.png", help="where to write the heatmap ('' for none)")
+    lensing = commands.add_parser("lens", help="a prompt's logit lens: a table, and a heatmap PNG")
+    lensing.add_argument("--model", default="embedded", help="a local model folder, a hub name, or 'embedded'")
+    lensing.add_argument("--prompt", required=True)
+    lensing.add_argument("--target", help="a token to follow, e.g. ' Paris'")
+    lensing.add_argument("--plot", default="logit_lens.png", help="where to write the heatmap ('' for none)")
     checker = commands.add_parser("check", help="where every value of a model is read, and whether the spec holds")
     checker.add_argument("model", help="a local model folder, a hub name, or 'embedded'")
     args = parser.parse_args(argv)
     if args.command == "check":
         sys.exit(check(args.model))
+    if args.command == "lens":
+        lens(args.model, args.prompt, args.target, args.plot)
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    demo(args.model, args.prompt, args.target, args.layer)
+    demo(args.model, args.prompt, args.target, args.layer, args.plot)
 
 
 if __name__ == "__main__":

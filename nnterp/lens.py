@@ -1,4 +1,4 @@
-"""The logit lens: every layer's stream read through the model's own final norm and head."""
+"""The logit lens: every layer's stream read through the model's own readout (final norm, head)."""
 
 from __future__ import annotations
 
@@ -7,31 +7,59 @@ from typing import Sequence
 import nnsight
 import torch
 
-from .catalog import BY_NAME
+from .selection import layer_indices
+
+STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mlp_output")
 
 
-def logit_lens(model, prompts: str | Sequence[str], layers: Sequence[int] | None = None,
-               value: str = "layer_output") -> torch.Tensor:
-    """Next-token probabilities ``[prompts, layers, vocab]`` from each layer's ``value`` at the last position.
+def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "layer_output",
+               position: int | None = -1) -> torch.Tensor:
+    """Next-token probabilities from each layer's ``value``, through ``model.project_on_vocab``.
 
-    ``value`` is any block-level standard value whose shape is ``[batch, seq, hidden_size]``
-    (``layer_input``, ``layer_mid``, ``layer_output``). On the last layer's ``layer_output`` it is
-    the model's own next-token distribution.
+    Returns ``[prompts, layers, vocab]`` at ``position`` (the last token by default; prompts are
+    left-padded), or ``[prompts, layers, seq, vocab]`` with ``position=None``. ``value`` is a
+    ``[batch, seq, hidden]`` value: the stream (``layer_input``, ``layer_mid``, ``layer_output``)
+    or a contribution (``attention_output``, ``mlp_output``). On the last layer's
+    ``layer_output`` the lens is the model's own next-token distribution.
     """
-    if value not in BY_NAME or BY_NAME[value].owner != "block" or "hidden_size" not in BY_NAME[value].shape:
-        raise ValueError(f"logit_lens reads a block-level stream value (layer_input, layer_mid, layer_output), not {value!r}.")
+    name = value.rpartition(".")[2]
+    if name not in STREAM_VALUES:
+        raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    layers = range(model.num_layers) if layers is None else [model.num_layers + i if i < 0 else i for i in layers]
+    layers = layer_indices(model, layers)
     with torch.no_grad():
         with model.trace(prompts):
-            last = nnsight.save([model._read_value(i, value)[:, -1] for i in layers])
-        return torch.stack([model.project_on_vocab(h).softmax(dim=-1) for h in last], dim=1)
+            # [:, [position]] keeps the sequence dimension, which a stream readout (DeepSeek-V4) expects
+            hidden = nnsight.save([
+                model._read_value(i, name) if position is None else model._read_value(i, name)[:, [position]]
+                for i in layers
+            ])
+        probs = torch.stack([model.project_on_vocab(h).float().softmax(dim=-1) for h in hidden], dim=1).cpu()
+        return probs if position is None else probs[:, :, 0]
 
 
-def top_tokens(model, probs: torch.Tensor, k: int = 5) -> list[list[list[tuple[str, float]]]]:
-    """``[prompts][layers]`` lists of the ``k`` most likely ``(token, probability)`` pairs."""
-    top = probs.topk(k, dim=-1)
-    return [
-        [[(model.tokenizer.decode(int(t)), float(p)) for t, p in zip(ids, ps)] for ids, ps in zip(layer_ids, layer_ps)]
-        for layer_ids, layer_ps in zip(top.indices, top.values)
-    ]
+def top_tokens(model, probs: torch.Tensor, k: int = 5) -> list:
+    """The ``k`` most likely ``(token, probability)`` pairs for each distribution in ``probs`` (nested lists)."""
+    if probs.dim() == 1:
+        top = probs.topk(k)
+        return [(model.tokenizer.decode(int(t)), float(p)) for t, p in zip(top.indices, top.values)]
+    return [top_tokens(model, row, k) for row in probs]
+
+
+def _lens_table(model, probs: torch.Tensor, target: str | None = None, k: int = 3) -> str:
+    """One prompt's lens ``[layers, vocab]`` as a text table (used by the CLI and the demo)."""
+    lines = []
+    target_id = model.tokenizer.encode(target, add_special_tokens=False)[0] if target else None
+    header = f"  {'layer':>5}  " + (f"{'P(' + repr(target) + ')':>12}  {'rank':>6}  " if target else "") + f"top-{k}"
+    lines.append(header)
+    for i, (p, top) in enumerate(zip(probs, top_tokens(model, probs, k))):
+        shown = ", ".join(f"{tok!r} {q:.2f}" for tok, q in top)
+        if target_id is None:
+            lines.append(f"  {i:>5}  {shown}")
+        else:
+            rank = int((p > p[target_id]).sum()) + 1
+            lines.append(f"  {i:>5}  {float(p[target_id]):>12.4f}  {rank:>6}  {shown}")
+    return "\n".join(lines)
+
+
+__all__ = ["logit_lens", "top_tokens"]

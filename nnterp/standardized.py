@@ -174,6 +174,48 @@ class StandardizedTransformer(TransformersModel):
             logits = family.logits_transform(logits, self._module.config)
         return logits
 
+    # -- research tools as methods, and the 1.x names --------------------------------------
+    def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, token_positions=None,
+              batch_index=None, value: str = "layer_output") -> None:
+        """Inside a trace: add ``factor * steering_vector`` to ``value`` at ``layers`` (see ``interventions.add_to``)."""
+        from .interventions import add_to
+
+        add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
+
+    def skip_layers(self, start: int, end: int | None = None) -> None:
+        """Inside a trace: blocks ``start`` to ``end`` (inclusive) pass the stream through unchanged."""
+        from .interventions import skip_layers
+
+        skip_layers(self, start, end)
+
+    def skip_layer(self, layer: int) -> None:
+        self.skip_layers(layer, layer)
+
+    @property
+    def layers_input(self) -> "ValueList":
+        """1.x name: ``layers_input[i]`` is ``layers[i].layer_input``."""
+        return ValueList(self, "layer_input")
+
+    @property
+    def layers_output(self) -> "ValueList":
+        """1.x name: ``layers_output[i]`` is ``layers[i].layer_output``."""
+        return ValueList(self, "layer_output")
+
+    @property
+    def attentions_output(self) -> "ValueList":
+        """1.x name: ``attentions_output[i]`` is ``layers[i].self_attn.attention_output``."""
+        return ValueList(self, "attention_output")
+
+    @property
+    def mlps_input(self) -> "ValueList":
+        """1.x name: ``mlps_input[i]`` is ``layers[i].mlp_input``."""
+        return ValueList(self, "mlp_input")
+
+    @property
+    def mlps_output(self) -> "ValueList":
+        """1.x name: ``mlps_output[i]`` is ``layers[i].mlp.mlp_output``."""
+        return ValueList(self, "mlp_output")
+
     # -- per-block values ---------------------------------------------------------------
     def block_spec(self, layer: int) -> Block:
         if not -self.num_layers <= layer < self.num_layers:
@@ -235,6 +277,25 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+class ValueList:
+    """One standard value across the blocks, indexed by layer: read, assign (``values[i] = t``), iterate."""
+
+    def __init__(self, model: StandardizedTransformer, name: str):
+        self._model, self._name = model, name
+
+    def __len__(self) -> int:
+        return self._model.num_layers
+
+    def __getitem__(self, layer: int):
+        return self._model._read_value(layer, self._name)
+
+    def __setitem__(self, layer: int, value) -> None:
+        self._model._write_value(layer, self._name, value)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one

@@ -71,6 +71,8 @@ class Family:
     # the readout after the last block: a module that collapses parallel streams before the final
     # norm (DeepSeek-V4's hc_head), and what the model does to the head's output (softcapping, scales)
     stream_readout: str | None = None
+    # what a skipped block returns, given the stream and the block's envoy (None: the stream itself)
+    skip_output: Callable | None = None
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
 
     def rename(self) -> dict[str, str]:
@@ -84,6 +86,11 @@ class Family:
             **({self.mlp: "mlp"} if self.mlp else {}),
         }
         return {native: alias for native, alias in names.items() if native != alias}
+
+
+def stream_and_none(stream, block):
+    """A skipped block of a family whose blocks return ``(hidden, extra)`` and whose model reads ``[0]``."""
+    return (stream, None)
 
 
 def softcap_logits(logits: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:

@@ -9,7 +9,7 @@ returns ``(hidden, attention_probs)``.
 from transformers import BloomConfig
 
 from ..errors import UnsupportedConfig
-from .base import Family, output, pre_norm_block
+from .base import Family, output, pre_norm_block, stream_and_none
 
 
 def _check(config):
@@ -39,6 +39,7 @@ BLOOM = Family(
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.gelu_impl", down_proj="mlp.dense_4h_to_h",
         attention_output=output("self_attention.dense"), mlp_output=output("mlp.dense_4h_to_h"),
     ),
+    skip_output=stream_and_none,
     tiny_config=lambda: BloomConfig(n_layer=3, hidden_size=64, n_head=4, vocab_size=128),
     check_config=_check,
 )

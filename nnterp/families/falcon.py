@@ -13,7 +13,7 @@ edit of it does not reach the model; assigning it does). The block returns a tup
 from transformers import FalconConfig
 
 from ..errors import UnsupportedConfig
-from .base import Family, output, parallel_block, pre_norm_block
+from .base import Family, output, parallel_block, pre_norm_block, stream_and_none
 
 _MODULES = dict(attention="self_attention", o_proj="self_attention.dense", mlp="mlp", act="mlp.act",
                 down_proj="mlp.dense_4h_to_h")
@@ -46,6 +46,7 @@ FALCON = Family(
     attention="self_attention",
     mlp="mlp",
     block=_block,
+    skip_output=stream_and_none,
     tiny_config=lambda: FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=128,
                                      new_decoder_architecture=False, parallel_attn=True, multi_query=True),
     check_config=_check,

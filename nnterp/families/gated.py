@@ -57,6 +57,7 @@ DOGE = Family(
 ZAYA = Family(
     name="ZAYA", model_types=("zaya",), layers="model.layers", embed_tokens="model.embed_tokens",
     ln_final="model.norm", attention="self_attn", mlp="mlp", block=_zaya_block,
+    skip_output=lambda stream, block: (stream, block.inputs[0][1]),  # pass the router state on
     tiny_config=lambda: ZayaConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=1, router_hidden_size=16),
 )

@@ -6,7 +6,7 @@ Layers alternate global and local attention.
 
 from transformers import GPTNeoConfig
 
-from .base import Family, pre_norm_block
+from .base import Family, pre_norm_block, stream_and_none
 
 GPT_NEO = Family(
     name="GPT-Neo",
@@ -20,6 +20,7 @@ GPT_NEO = Family(
         input_norm="ln_1", attention="attn", o_proj="attn.attention.out_proj", post_norm="ln_2",
         mlp="mlp", act="mlp.act", down_proj="mlp.c_proj",
     ),
+    skip_output=stream_and_none,
     tiny_config=lambda: GPTNeoConfig(
         num_layers=3, hidden_size=64, num_heads=4, vocab_size=128, max_position_embeddings=64,
         attention_types=[[["global", "local"], 1], [["global"], 1]], window_size=4, intermediate_size=128,

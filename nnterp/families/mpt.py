@@ -7,7 +7,7 @@ so its contribution is the attention's output. The block returns a tuple.
 
 from transformers import MptConfig
 
-from .base import Family, output, pre_norm_block
+from .base import Family, output, pre_norm_block, stream_and_none
 
 MPT = Family(
     name="MPT",
@@ -21,5 +21,6 @@ MPT = Family(
         input_norm="norm_1", attention="attn", o_proj="attn.out_proj", post_norm="norm_2", mlp="ffn",
         act="ffn.act", down_proj="ffn.down_proj", mlp_output=output("ffn.down_proj"),
     ),
+    skip_output=stream_and_none,
     tiny_config=lambda: MptConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=128, max_seq_len=64),
 )

@@ -1,0 +1,25 @@
+"""Checked choices of standard values and layers, shared by the research tools."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .catalog import BY_NAME
+
+
+def value_name(value: str) -> str:
+    """``"mlp.mlp_output"`` or ``"mlp_output"`` -> ``"mlp_output"``; a clear error for an unknown value."""
+    name = value.rpartition(".")[2]
+    if name not in BY_NAME:
+        raise ValueError(f"Unknown standard value {value!r}. The values are: {', '.join(BY_NAME)}.")
+    return name
+
+
+def layer_indices(model, layers: int | Iterable[int] | None) -> list[int]:
+    """Layers in forward order (nnsight reads them in that order), negatives counted from the end."""
+    if layers is None:
+        return list(range(model.num_layers))
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    for layer in layers:
+        model.block_spec(layer)  # a clear IndexError when out of range
+    return sorted({layer % model.num_layers for layer in layers})
