@@ -135,7 +135,16 @@ def main(argv: list[str] | None = None) -> None:
     lensing.add_argument("--plot", default="logit_lens.png", help="where to write the heatmap ('' for none)")
     checker = commands.add_parser("check", help="where every value of a model is read, and whether the spec holds")
     checker.add_argument("model", help="a local model folder, a hub name, or 'embedded'")
+    docs = commands.add_parser("docs", help="regenerate the family, names, availability and layer pages")
+    docs.add_argument("--folder", default="docs")
     args = parser.parse_args(argv)
+    if args.command == "docs":
+        from pathlib import Path
+
+        from .documentation import write
+
+        print(f"wrote {len(write(Path(args.folder)))} pages under {args.folder}/")
+        return
     if args.command == "check":
         sys.exit(check(args.model))
     if args.command == "lens":

@@ -1,0 +1,55 @@
+"""The documentation: generated pages are fresh, every code block prints what the page says, the site builds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnterp.doctest_runner import blocks, run_page
+from nnterp.documentation import GENERATED, generated_pages
+from nnterp.families import FAMILIES
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+WRITTEN = sorted(p for p in DOCS.rglob("*.md") if not p.read_text().startswith(GENERATED))
+
+
+def test_generated_pages_are_fresh():
+    pages = generated_pages()
+    stale = [name for name, text in pages.items() if not (DOCS / name).is_file() or (DOCS / name).read_text() != text]
+    assert not stale, f"run `python -m nnterp docs`: stale or missing {stale}"
+    on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if p.read_text().startswith(GENERATED)}
+    assert on_disk == set(pages), f"generated pages no spec produces any more: {on_disk - set(pages)}"
+    assert len([name for name in pages if name.startswith("families/") and name != "families/index.md"]) == len(FAMILIES)
+
+
+def test_every_family_page_has_its_formula_and_reasons():
+    pages = generated_pages()
+    for name, text in pages.items():
+        if name.startswith("families/") and name != "families/index.md":
+            assert "layer_output = " in text and "| `layer_input` |" in text
+    assert "unavailable: a parallel block" in pages["families/gpt-j.md"]
+    assert "routed mixture of experts" in pages["families/mixtral.md"]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("page", WRITTEN, ids=lambda p: str(p.relative_to(DOCS)))
+def test_code_blocks_print_what_the_page_says(page):
+    results = run_page(page)
+    assert len(results) == len(blocks(page.read_text()))
+    for code, expected, printed in results:
+        if expected is not None:
+            assert printed == expected, f"{page.name}: the block\n{code}\nprinted\n{printed}"
+
+
+def test_site_builds_strictly(tmp_path):
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                            cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "site" / "residual-stream" / "index.md").is_file()  # each page as plain Markdown too
+    assert (tmp_path / "site" / "families" / "gpt-2" / "index.html").is_file()
