@@ -44,12 +44,11 @@ def _set(config: PretrainedConfig, name: str, value) -> None:
 def _shrink(config: PretrainedConfig) -> None:
     heads = getattr(config, "num_attention_heads", None)
     if heads:
-        kv = getattr(config, "num_key_value_heads", None) or heads
         config.num_attention_heads = HEADS
-        if getattr(config, "num_key_value_heads", None):
-            config.num_key_value_heads = max(1, HEADS * kv // heads)
-        if getattr(config, "num_kv_heads", None):  # Falcon's name
-            config.num_kv_heads = max(1, HEADS * config.num_kv_heads // heads)
+        for name in ("num_key_value_heads", "num_kv_heads"):  # Falcon says num_kv_heads
+            kv = getattr(config, name, None)
+            if kv:  # keep the number of query heads per key-value head (GQA / MQA)
+                setattr(config, name, max(1, HEADS // max(1, heads // kv)))
         if getattr(config, "head_dim", None):
             _set(config, "head_dim", HEAD_DIM)
         config.hidden_size = HEADS * HEAD_DIM

@@ -1,0 +1,298 @@
+"""Benchmarks: what the standard values cost against the floor and the alternatives.
+
+Prints ratios measured in one run (absolute times vary between machines):
+
+- per-trace cost, batch 8 x seq 128, saving the same 11 values per block, for a GPT-2-small-shaped
+  model, a Llama-shaped model of similar size (random weights) and the embedded SmolLM2:
+  (a) a plain forward with PyTorch hooks that keep the values (the floor), (b) a raw nnsight trace
+  saving the same module boundaries, (c) nnterp's standard values, (d) TransformerLens
+  ``run_with_cache`` on GPT-2's architecture (when transformer_lens is installed);
+- load time: HF load alone, nnsight wrapping, nnterp wrapping with validation (cold and cached);
+- activation collection over 2,000 prompts: prompts/s and peak memory against a plain batched
+  forward with hooks.
+
+Usage: ``python benchmarks/run.py [--rounds 5] [--quick]``. CPU, one thread, no_grad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import nnsight  # noqa: E402
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
+from nnsight.modeling.transformers import TransformersModel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import tiny_tokenizer  # noqa: E402
+
+from nnterp import StandardizedTransformer  # noqa: E402
+from nnterp.catalog import CATALOG  # noqa: E402
+from nnterp.locations import At  # noqa: E402
+
+torch.set_num_threads(1)
+BATCH, SEQ = 8, 128
+
+
+def gpt2_small():
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config()).eval()
+
+
+def llama_small():
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                           num_key_value_heads=12, vocab_size=50257, max_position_embeddings=1024)
+    return T.LlamaForCausalLM(config).eval()
+
+
+def smollm2():
+    from nnterp.embedded import embedded_model_path
+
+    return T.AutoModelForCausalLM.from_pretrained(embedded_model_path()).eval()
+
+
+# -- the 11 values per block, read four ways ------------------------------------------------------
+
+def locations(std: StandardizedTransformer):
+    """Per block: (key, At) of the available values in forward order (the same boundaries for every variant)."""
+    return [[(key, location) for _, key, location in std._timeline(i) if not key.startswith("extra.")]
+            for i in range(std.num_layers)]
+
+
+def hooked_floor(model, where):
+    """(a): PyTorch hooks that keep a reference to each value, the cheapest way to get them."""
+    kept = []
+    blocks = model.get_submodule(where["layers"])
+    for i, block_locations in enumerate(where["values"]):
+        for _, location in block_locations:
+            module = location.module(blocks[i])
+            if location.side == "input":
+                module.register_forward_pre_hook(
+                    lambda m, args, kwargs, loc=location: kept.append(args[loc.arg] if len(args) > loc.arg
+                                                                      else kwargs[loc.kwarg]), with_kwargs=True)
+            else:
+                module.register_forward_hook(
+                    lambda m, args, out, loc=location: kept.append(out[loc.index] if isinstance(out, tuple) else out))
+
+    def run(ids):
+        kept.clear()
+        model(input_ids=ids)
+        return len(kept)
+    return run
+
+
+def raw_nnsight(model, where, tok):
+    """(b): a plain nnsight trace saving the same module boundaries, by their native paths."""
+    lm = TransformersModel(model, tokenizer=tok)
+    blocks = lm
+    for part in where["layers"].split("."):
+        blocks = getattr(blocks, part)
+
+    def run(ids):
+        with lm.trace(ids):
+            saved = nnsight.save([])
+            for i, block_locations in enumerate(where["values"]):
+                for _, location in block_locations:
+                    envoy = blocks[i]
+                    for part in filter(None, location.path.split(".")):
+                        envoy = getattr(envoy, part)
+                    if location.side == "input":
+                        args, kwargs = envoy.inputs
+                        saved.append(args[location.arg] if len(args) > location.arg else kwargs[location.kwarg])
+                    else:
+                        out = envoy.output
+                        saved.append(out[location.index] if isinstance(out, tuple) else out)
+        return len(saved)
+    return run
+
+
+def nnterp_values(std):
+    """(c): nnterp's standard values, by name, in order(i)."""
+    keys = [list(std.order(i)) for i in range(std.num_layers)]
+
+    def run(ids):
+        with std.trace(ids):
+            saved = nnsight.save([])
+            for i, block_keys in enumerate(keys):
+                block = std.layers[i]
+                for key in block_keys:
+                    owner, _, name = key.rpartition(".")
+                    saved.append(getattr(getattr(block, owner) if owner else block, name))
+        return len(saved)
+    return run
+
+
+def transformer_lens_gpt2():
+    """(d): TransformerLens run_with_cache on GPT-2's architecture, caching the comparable hooks."""
+    try:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+    except ImportError:
+        return None
+    cfg = HookedTransformerConfig(n_layers=12, d_model=768, n_ctx=1024, d_head=64, n_heads=12, d_mlp=3072,
+                                  d_vocab=50257, act_fn="gelu_new", normalization_type="LN", device="cpu")
+    model = HookedTransformer(cfg).eval()
+    wanted = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_z", "hook_attn_out", "hook_resid_mid",
+              "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+
+    def run(ids):
+        _, cache = model.run_with_cache(ids, names_filter=lambda name: name.endswith(wanted))
+        return len(cache)
+    return run
+
+
+def timed(variants: dict, ids, rounds: int) -> dict[str, float]:
+    """Median seconds per variant; variants run in a random order within each round."""
+    times = {name: [] for name in variants}
+    with torch.no_grad():
+        for fn in variants.values():
+            fn(ids)  # warm up
+        for _ in range(rounds):
+            order = list(variants.items())
+            random.shuffle(order)
+            for name, fn in order:
+                start = time.perf_counter()
+                fn(ids)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def trace_costs(name, build, rounds, with_tl=False):
+    base = build()
+    tok = tiny_tokenizer()
+    std = StandardizedTransformer(copy.deepcopy(base), tokenizer=tok)
+    where = {"layers": std.family.layers, "values": locations(std)}
+    per_block = len(where["values"][0])
+    variants = {
+        "(a) hooks floor": hooked_floor(copy.deepcopy(base), where),
+        "(b) raw nnsight": raw_nnsight(copy.deepcopy(base), where, tok),
+        "(c) nnterp": nnterp_values(std),
+    }
+    if with_tl:
+        tl = transformer_lens_gpt2()
+        if tl:
+            variants["(d) TransformerLens"] = tl
+    ids = torch.randint(0, 30000, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    medians = timed(variants, ids, rounds)
+    floor = medians["(a) hooks floor"]
+    print(f"\n{name}: batch {BATCH} x seq {SEQ}, {per_block} values per block, median of {rounds} rounds")
+    for variant, seconds in medians.items():
+        print(f"  {variant:22} {seconds * 1000:9.1f} ms   x{seconds / floor:5.2f} of (a)")
+    c, b = medians["(c) nnterp"], medians["(b) raw nnsight"]
+    print(f"  (c)/(b) = {c / b:.3f}   (c)/(a) = {c / floor:.3f}"
+          + (f"   (c)/(d) = {c / medians['(d) TransformerLens']:.3f}" if "(d) TransformerLens" in medians else ""))
+    return medians
+
+
+def load_costs(rounds: int):
+    from nnterp.validation import validate
+
+    with tempfile.TemporaryDirectory() as folder:
+        gpt2_small().save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+        hf, nnsight_wrap, cold, cached, by_folder = [], [], [], [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            models = [T.AutoModelForCausalLM.from_pretrained(folder) for _ in range(3)]
+            hf.append((time.perf_counter() - t0) / 3)
+            t0 = time.perf_counter()
+            TransformersModel(models[0], tokenizer=tiny_tokenizer())
+            nnsight_wrap.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            validate(models[1].config, type(models[1]), tiny_tokenizer(), use_cache=False)
+            StandardizedTransformer(models[1], tokenizer=tiny_tokenizer())  # validation now cached
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            StandardizedTransformer(models[2], tokenizer=tiny_tokenizer())
+            cached.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            StandardizedTransformer(folder)
+            by_folder.append(time.perf_counter() - t0)
+    med = statistics.median
+    print(f"\nload, GPT-2-small shape (124M) from a local folder, median of {rounds}")
+    print(f"  HF from_pretrained                      {med(hf) * 1000:7.0f} ms")
+    print(f"  nnsight wrapping (TransformersModel)    {med(nnsight_wrap) * 1000:7.0f} ms")
+    print(f"  nnterp wrapping + validation, cold      {med(cold) * 1000:7.0f} ms")
+    print(f"  nnterp wrapping, validation cached      {med(cached) * 1000:7.0f} ms")
+    print(f"  StandardizedTransformer(folder), cached {med(by_folder) * 1000:7.0f} ms (HF load included)")
+    print(f"  wrapping with validation above the HF load: {med(cold):.2f} s cold, {med(cached):.2f} s cached")
+
+
+def collection_child(kind: str, n: int) -> None:
+    """Runs in a fresh process: collect n prompts one way, print 'seconds peak_mib'."""
+    model = gpt2_small()
+    tok = tiny_tokenizer()
+    words = "the a cat dog sat on mat Eiffel Tower is in city of Paris Rome".split()
+    prompts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(4 + i % 8)) for i in range(n)]
+    start = time.perf_counter()
+    if kind == "nnterp":
+        from nnterp import collect
+
+        std = StandardizedTransformer(model, tokenizer=tok)
+        with tempfile.TemporaryDirectory() as folder:
+            collect(std, prompts, folder, batch_size=32, progress=False)
+    else:  # the floor: a plain batched forward, hooks keeping each block's last-token output in memory
+        tok.padding_side = "left"
+        kept = []
+        for block in model.transformer.h:
+            block.register_forward_hook(lambda m, a, out: kept.append(out[:, -1].clone()))
+        with torch.no_grad():
+            for start_row in range(0, n, 32):
+                batch = tok(prompts[start_row:start_row + 32], return_tensors="pt", padding=True)
+                model(**batch)
+    seconds = time.perf_counter() - start
+    print(f"{seconds} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}")  # peak RSS of the process, MiB
+
+
+def collection_costs(n: int):
+    results = {}
+    for kind in ("floor", "nnterp"):
+        for count in (n // 10, n):
+            out = subprocess.run([sys.executable, __file__, "--collection-child", kind, str(count)],
+                                 capture_output=True, text=True, check=True).stdout.split()
+            results[(kind, count)] = (float(out[-2]), float(out[-1]))
+    print(f"\nactivation collection, GPT-2-small shape, batch 32, last token of every block, {n} prompts")
+    for kind in ("floor", "nnterp"):
+        seconds, peak = results[(kind, n)]
+        _, small_peak = results[(kind, n // 10)]
+        print(f"  {kind:7} {n / seconds:8.1f} prompts/s   peak RSS {peak:6.0f} MiB ({n // 10} prompts: {small_peak:.0f} MiB)")
+    ratio = results[("nnterp", n)][0] / results[("floor", n)][0]
+    print(f"  nnterp time / floor time = {ratio:.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and prompts, for a smoke run")
+    parser.add_argument("--collection-child", nargs=2)
+    args = parser.parse_args()
+    if args.collection_child:
+        collection_child(args.collection_child[0], int(args.collection_child[1]))
+        return
+    rounds = 2 if args.quick else args.rounds
+    print(f"nnterp benchmarks, {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} thread), transformers {T.__version__}, "
+          f"nnsight {nnsight.__version__}")
+    trace_costs("GPT-2-small shape (124M, random weights)", gpt2_small, rounds, with_tl=True)
+    trace_costs("Llama shape (12 x 768, random weights)", llama_small, rounds)
+    trace_costs("embedded SmolLM2-135M", smollm2, rounds)
+    load_costs(rounds)
+    collection_costs(200 if args.quick else 2000)
+
+
+if __name__ == "__main__":
+    main()
