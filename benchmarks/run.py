@@ -198,6 +198,38 @@ def trace_costs(name, build, rounds, with_tl=False):
     return medians
 
 
+def attention_costs(rounds: int):
+    """The cost of turning the attention values on: nnterp's eager attention against the default sdpa."""
+    std = StandardizedTransformer(gpt2_small(), tokenizer=tiny_tokenizer())
+    ids = torch.randint(0, 30000, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def run(layers_read):
+        def trace(ids):
+            with std.trace(ids):
+                saved = nnsight.save([])
+                for i in range(std.num_layers):
+                    for name in layers_read:
+                        saved.append(getattr(std.layers[i].self_attn, name))
+        return trace
+
+    def switched(enable, fn):
+        def call(ids):
+            (std.enable_attention_values if enable else std.disable_attention_values)()
+            return fn(ids)
+        return call
+
+    medians = timed({
+        "sdpa, premix only": switched(False, run(["attention_premix"])),
+        "nnterp eager, premix only": switched(True, run(["attention_premix"])),
+        "nnterp eager, q k v scores probs": switched(True, run(["queries", "keys", "values", "attention_scores",
+                                                               "attention_probabilities"])),
+    }, ids, rounds)
+    base = medians["sdpa, premix only"]
+    print(f"\nattention values, GPT-2-small shape, batch {BATCH} x seq {SEQ}, median of {rounds}")
+    for variant, seconds in medians.items():
+        print(f"  {variant:34} {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} of sdpa")
+
+
 def load_costs(rounds: int):
     from nnterp.validation import validate
 
@@ -290,6 +322,7 @@ def main():
     trace_costs("GPT-2-small shape (124M, random weights)", gpt2_small, rounds, with_tl=True)
     trace_costs("Llama shape (12 x 768, random weights)", llama_small, rounds)
     trace_costs("embedded SmolLM2-135M", smollm2, rounds)
+    attention_costs(rounds)
     load_costs(rounds)
     collection_costs(200 if args.quick else 2000)
 

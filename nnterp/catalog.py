@@ -28,17 +28,28 @@ class Value:
 CATALOG: tuple[Value, ...] = (
     Value("layer_input", "block", "[batch, seq, hidden_size]", 0, "the residual stream entering the block"),
     Value("attention_norm_output", "block", "[batch, seq, hidden_size]", 1, "the normed stream the attention reads"),
-    Value("attention_premix", "self_attn", "[batch, seq, num_heads, head_dim]", 2,
+    Value("queries", "self_attn", "[batch, seq, num_heads, head_dim]", 2,
+          "the queries as the attention uses them (after q norms and rotary embeddings)"),
+    Value("keys", "self_attn", "[batch, seq, num_key_value_heads, head_dim]", 2,
+          "the keys as the attention uses them (after k norms and rotary embeddings)"),
+    Value("values", "self_attn", "[batch, seq, num_key_value_heads, head_dim]", 2, "the values the heads mix"),
+    Value("attention_scores", "self_attn", "[batch, num_heads, query, key]", 3,
+          "the scores before the softmax: scaled, softcapped, masked"),
+    Value("attention_probabilities", "self_attn", "[batch, num_heads, query, key]", 4,
+          "the attention pattern, after the softmax"),
+    Value("attention_premix", "self_attn", "[batch, seq, num_heads, head_dim]", 5,
           "every head's output before the output projection"),
-    Value("attention_output", "self_attn", "[batch, seq, hidden_size]", 3, "what the attention adds to the stream"),
-    Value("layer_mid", "block", "[batch, seq, hidden_size]", 4, "the stream after the attention add"),
-    Value("mlp_norm_output", "block", "[batch, seq, hidden_size]", 5, "the output of the norm before the MLP"),
-    Value("mlp_input", "block", "[batch, seq, hidden_size]", 6, "what the MLP is called with"),
-    Value("mlp_activation", "mlp", "[batch, seq, intermediate_size]", 7, "the output of the MLP's activation function"),
-    Value("mlp_neurons", "mlp", "[batch, seq, intermediate_size]", 8, "what the down projection sums"),
-    Value("mlp_output", "mlp", "[batch, seq, hidden_size]", 9, "what the MLP adds to the stream"),
-    Value("layer_output", "block", "[batch, seq, hidden_size]", 10, "the residual stream leaving the block"),
+    Value("attention_output", "self_attn", "[batch, seq, hidden_size]", 6, "what the attention adds to the stream"),
+    Value("layer_mid", "block", "[batch, seq, hidden_size]", 7, "the stream after the attention add"),
+    Value("mlp_norm_output", "block", "[batch, seq, hidden_size]", 8, "the output of the norm before the MLP"),
+    Value("mlp_input", "block", "[batch, seq, hidden_size]", 9, "what the MLP is called with"),
+    Value("mlp_activation", "mlp", "[batch, seq, intermediate_size]", 10, "the output of the MLP's activation function"),
+    Value("mlp_neurons", "mlp", "[batch, seq, intermediate_size]", 11, "what the down projection sums"),
+    Value("mlp_output", "mlp", "[batch, seq, hidden_size]", 12, "what the MLP adds to the stream"),
+    Value("layer_output", "block", "[batch, seq, hidden_size]", 13, "the residual stream leaving the block"),
 )
+# Values inside the attention computation: served by nnterp's own attention implementation when it is on.
+ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 
 BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}
 OWNERS = ("block", "self_attn", "mlp")

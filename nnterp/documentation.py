@@ -7,12 +7,14 @@ maintain.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
 from pathlib import Path
 
-from .catalog import CATALOG
+from .attention import probe_location
+from .catalog import ATTENTION_INTERNALS, CATALOG
 from .families import FAMILIES, Family
 from .families.base import Block
 from .locations import At, SameAs, Unavailable
@@ -34,11 +36,19 @@ def _where(block: Block, name: str) -> str:
     return f"`{location.describe()}`"
 
 
+def _internals(family: Family) -> dict:
+    """Where the attention internals are read once attention values are on, or why they cannot be."""
+    if not isinstance(family.attention_internals, str):
+        return dict.fromkeys(ATTENTION_INTERNALS, family.attention_internals)
+    return {name: probe_location(family.attention, name) for name in ATTENTION_INTERNALS}
+
+
 def _groups(family: Family) -> list[tuple[list[int], Block]]:
     config = family.tiny_config().get_text_config()
     groups: list[tuple[list[int], Block]] = []
     for i in range(config.num_hidden_layers):
-        block = family.block(config, i)
+        structure = family.block(config, i)
+        block = dataclasses.replace(structure, values={**structure.values, **_internals(family)})
         for layers, seen in groups:
             if repr(sorted(seen.values.items())) == repr(sorted(block.values.items())) and seen.formula == block.formula:
                 layers.append(i)
@@ -82,6 +92,11 @@ def family_page(family: Family) -> str:
         if block.extra:
             lines += ["Other terms of the identity: " + ", ".join(
                 f"`{name}` = `{location.describe()}`" for name, location in block.extra.items()) + ".", ""]
+        if isinstance(family.attention_internals, str):
+            lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read once "
+                      "they are on: `StandardizedTransformer(..., attention_values=True)`"
+                      + (f". `attention_premix` is not `attention_probabilities · values` here: "
+                         f"{family.premix_is_not_mixed_values}." if family.premix_is_not_mixed_values else "."), ""]
         lines += ["| value | read at |", "|---|---|"]
         lines += [f"| `{v.key}` | {_where(block, v.name)} |" for v in CATALOG]
         lines.append("")

@@ -26,7 +26,8 @@ class At:
     An ``"input"`` is positional argument ``arg``, or keyword ``kwarg`` when the module
     was called with keywords only. ``heads`` views the last dimension as
     ``[num_heads, head_dim]``. ``unflatten`` views a tensor the block flattened to
-    ``[batch * seq, features]`` as ``[batch, seq, features]``. ``copy`` reads a clone, for the rare tensor the model itself
+    ``[batch * seq, features]`` as ``[batch, seq, features]``. ``heads_first`` views
+    ``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``. ``copy`` reads a clone, for the rare tensor the model itself
     changes in place after producing it (an edit of the copy does not reach the model; an
     assignment does).
     """
@@ -39,6 +40,7 @@ class At:
     heads: bool = False
     copy: bool = False
     unflatten: bool = False
+    heads_first: bool = False
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
@@ -54,6 +56,8 @@ class At:
             text += " (viewed per head)"
         if self.unflatten:
             text += " (flattened by the block; viewed as [batch, seq, ...])"
+        if self.heads_first:
+            text += " (viewed as [batch, seq, heads, dim])"
         if self.copy:
             text += " (a copy: the model later changes this tensor in place)"
         return text
@@ -90,12 +94,16 @@ class At:
             tensor = tensor.clone()
         if self.heads or self.unflatten:
             tensor = tensor.view(self._view_shape(block_envoy, tensor.shape, num_heads))
+        if self.heads_first:
+            tensor = tensor.transpose(1, 2)
         return tensor
 
     def write(self, block_envoy, value, num_heads: int, key: str) -> None:
         envoy = self.envoy(block_envoy)
         current = self._raw(envoy)
         expected = self._view_shape(block_envoy, current.shape, num_heads)
+        if self.heads_first:
+            expected = (expected[0], expected[2], expected[1], *expected[3:])
         if not isinstance(value, torch.Tensor):
             raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
         if tuple(value.shape) != tuple(expected):
@@ -108,7 +116,7 @@ class At:
                 f"'{key}' is {current.dtype}; the assigned tensor is {value.dtype}. "
                 f"Convert it first, e.g. value.to({current.dtype})."
             )
-        value = value.reshape(current.shape)
+        value = value.transpose(1, 2) if self.heads_first else value.reshape(current.shape)
         if self.side == "output":
             out = envoy.output
             if isinstance(out, tuple):

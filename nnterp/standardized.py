@@ -6,12 +6,15 @@ import logging
 import os
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .catalog import BY_NAME, CATALOG
+from . import attention
+from .catalog import ATTENTION_INTERNALS, BY_NAME, CATALOG
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
@@ -65,6 +68,12 @@ def _architecture_of(config) -> type[PreTrainedModel]:
         ) from None
 
 
+ATTENTION_OFF = Unavailable(
+    "the values inside the attention are off: load with StandardizedTransformer(..., attention_values=True) "
+    "or call model.enable_attention_values() (it runs eager attention, slower than sdpa)"
+)
+
+
 class StandardizedTransformer(TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
@@ -75,10 +84,14 @@ class StandardizedTransformer(TransformersModel):
     ``validate=True`` (the default) proves the family spec on a miniature of the model's config
     (same classes, tiny sizes, random weights; never this model's weights) before the values are
     trusted, once per architecture and config shape; it raises ``ValidationError`` if it fails.
+
+    ``attention_values=True`` serves the values inside the attention (queries, keys, values,
+    scores, probabilities) by running nnterp's eager attention implementation instead of the
+    model's (sdpa by default); ``enable_attention_values()`` does it later.
     """
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, tokenizer=None, *, validate: bool = True,
-                 **from_pretrained_kwargs):
+                 attention_values: bool = False, **from_pretrained_kwargs):
         validated = None  # the forward events of the validated miniature
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer, validated = _load(model, tokenizer, validate, from_pretrained_kwargs)
@@ -95,6 +108,10 @@ class StandardizedTransformer(TransformersModel):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         family = family_of(model.config, type(model).__name__)
         model.eval()  # nnsight does not; dropout would make every value random
+        layers = model.get_submodule(family.layers)
+        if isinstance(family.attention_internals, str):  # before wrapping, so the probes get envoys
+            attention.install_probes([block.get_submodule(family.attention) for block in layers],
+                                     family.attention_internals)
         super().__init__(
             model,
             tokenizer=tokenizer,
@@ -109,7 +126,10 @@ class StandardizedTransformer(TransformersModel):
         )
         self._nnterp_family = family
         self._nnterp_text_config = model.config.get_text_config()
-        self._nnterp_blocks = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
+        self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
+        self._nnterp_own_attention = attention.implementation_of(model)
+        self._nnterp_attention_on = False
+        self._nnterp_blocks = self._with_attention_internals()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
@@ -123,7 +143,9 @@ class StandardizedTransformer(TransformersModel):
 
             validated = validate_spec(model.config, type(model), tokenizer)
         # from the validated miniature (same architecture, same names) when there is one
-        self._forward_events = validated or forward_events(model)
+        self._forward_events = validated or forward_events(model, isinstance(family.attention_internals, str))
+        if attention_values:
+            self.enable_attention_values()
 
     # -- model-level names --------------------------------------------------------------
     @property
@@ -173,6 +195,40 @@ class StandardizedTransformer(TransformersModel):
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits
+
+    # -- the values inside the attention -----------------------------------------------------
+    def enable_attention_values(self) -> None:
+        """Serve queries, keys, values, scores and probabilities: run nnterp's eager attention (slower than sdpa)."""
+        if not isinstance(self.family.attention_internals, str):
+            raise ValueUnavailable("self_attn.attention_probabilities", self.family.name,
+                                   self.family.attention_internals.reason)
+        attention.set_implementation(self._module, attention.IMPLEMENTATION)
+        self._nnterp_attention_on = True
+        self._nnterp_blocks = self._with_attention_internals()
+
+    def disable_attention_values(self) -> None:
+        """Back to the model's own attention implementation."""
+        attention.set_implementation(self._module, self._nnterp_own_attention)
+        self._nnterp_attention_on = False
+        self._nnterp_blocks = self._with_attention_internals()
+
+    def _with_attention_internals(self) -> tuple[Block, ...]:
+        internals = self.family.attention_internals
+        if not isinstance(internals, str):
+            where = dict.fromkeys(ATTENTION_INTERNALS, internals)
+        elif not self._nnterp_attention_on:
+            where = dict.fromkeys(ATTENTION_INTERNALS, ATTENTION_OFF)
+        else:
+            where = {name: attention.probe_location(self.family.attention, name) for name in ATTENTION_INTERNALS}
+        return tuple(dataclasses.replace(block, values={**block.values, **where}) for block in self._nnterp_structure)
+
+    def head_outputs(self, layer: int) -> torch.Tensor:
+        """Inside a trace: each head's contribution through the output projection ``[batch, seq, heads, out]``."""
+        return attention.head_outputs(self, layer)
+
+    def scale_heads(self, layer: int, heads, factor: float = 0.0) -> None:
+        """Inside a trace: multiply the output of ``heads`` of block ``layer`` by ``factor`` (0 ablates them)."""
+        attention.scale_heads(self, layer, heads, factor)
 
     # -- research tools as methods, and the 1.x names --------------------------------------
     def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, token_positions=None,
@@ -301,12 +357,23 @@ class ValueList:
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one
 
 
-def forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
+def forward_events(model: torch.nn.Module, with_attention_probes: bool = False) -> dict[tuple[str, str], int]:
     """The order module inputs and outputs fire in a forward pass (first call of each), by module name.
 
     The order depends on the architecture, not the weights: a small model runs two real tokens,
-    a large one runs on fake tensors (no compute, no memory).
+    a large one runs on fake tensors (no compute, no memory). With the attention probes installed,
+    the pass runs nnterp's attention implementation so that their order is known too.
     """
+    own = attention.implementation_of(model)
+    if with_attention_probes:
+        attention.set_implementation(model, attention.IMPLEMENTATION)
+    try:
+        return _forward_events(model)
+    finally:
+        attention.set_implementation(model, own)
+
+
+def _forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
     events: dict[tuple[str, str], int] = {}
 
     def recorder(name: str, side: str):

@@ -45,6 +45,8 @@ def check_identity(model, inputs=None) -> list[IdentityResult]:
     results = []
     for i, values in enumerate(terms):
         block = model.block_spec(i)
+        if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
+            problems += _attention_problems(i, values)
         recomputed = block.combine(values, model.layers[i]._module)
         diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
         results.append(IdentityResult(i, block.formula, torch.equal(recomputed, values["layer_output"]), diff))
@@ -64,6 +66,12 @@ def _expected_dims(model, name: str) -> tuple[int | None, ...]:
         return (1, SEQ, model.num_heads, None)
     if name in ("mlp_activation", "mlp_neurons"):
         return (1, SEQ, None)
+    if name == "queries":
+        return (1, SEQ, model.num_heads, None)
+    if name in ("keys", "values"):
+        return (1, SEQ, None, None)
+    if name in ("attention_scores", "attention_probabilities"):
+        return (1, model.num_heads, SEQ, None)
     if name in ("layer_input", "layer_mid", "layer_output"):
         return (1, SEQ, hidden)  # or [1, SEQ, streams, hidden]: checked below
     return (1, SEQ, hidden)
@@ -135,12 +143,25 @@ def problems_of(model) -> list[str]:
                     problems.append(f"layer {i}: '{value.key}' {problem}")
         if problems:
             continue
+        if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
+            problems += _attention_problems(i, values)
         recomputed = block.combine(values, model.layers[i]._module)
         if not torch.equal(recomputed, values["layer_output"]):
             diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
             problems.append(f"layer {i}: the identity fails (max |diff| {diff:.3g}): {block.formula}; "
                             + _suspects(block, values))
     return problems
+
+
+def _attention_problems(layer: int, values) -> list[str]:
+    """The attention internals must compose to the heads' outputs: probabilities · values == attention_premix."""
+    probabilities, v = values["attention_probabilities"], values["values"].transpose(1, 2)  # [b, kv_heads, k, d]
+    groups = probabilities.shape[1] // v.shape[1]
+    mixed = torch.matmul(probabilities, v.repeat_interleave(groups, dim=1)[:, :, : probabilities.shape[-1]])
+    premix = values["attention_premix"]
+    if mixed.transpose(1, 2).shape != premix.shape or not torch.allclose(mixed.transpose(1, 2), premix, atol=1e-5):
+        return [f"layer {layer}: attention_probabilities · values != 'self_attn.attention_premix'"]
+    return []
 
 
 def _suspects(block, values) -> str:
@@ -174,7 +195,8 @@ def validate(config, architecture: type, tokenizer, use_cache: bool = True) -> d
 
     family = family_of(config, architecture.__name__)
     try:
-        mini = StandardizedTransformer(build_miniature(config, architecture), tokenizer=tokenizer, validate=False)
+        mini = StandardizedTransformer(build_miniature(config, architecture), tokenizer=tokenizer, validate=False,
+                                       attention_values=isinstance(family.attention_internals, str))
         problems = problems_of(mini)
     except NNterpError:
         raise

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from transformers import PretrainedConfig
 
-from ..catalog import CATALOG
+from ..catalog import ATTENTION_INTERNALS, CATALOG
 from ..locations import At, Location, SameAs, Unavailable, input, output
 
 Terms = dict[str, torch.Tensor]
@@ -37,7 +37,8 @@ class Block:
     ulps: int = 0
 
     def __post_init__(self):
-        missing = {v.name for v in CATALOG} - set(self.values)
+        structural = {v.name for v in CATALOG} - set(ATTENTION_INTERNALS)  # the engine places the internals
+        missing = structural - set(self.values)
         unknown = set(self.values) - {v.name for v in CATALOG}
         if missing or unknown:
             raise ValueError(f"block spec: missing values {sorted(missing)}, unknown values {sorted(unknown)}")
@@ -70,6 +71,11 @@ class Family:
     check_config: Callable[[PretrainedConfig], None] = lambda config: None
     # the readout after the last block: a module that collapses parallel streams before the final
     # norm (DeepSeek-V4's hc_head), and what the model does to the head's output (softcapping, scales)
+    # how nnterp's attention implementation computes this family's attention ("standard" or "gpt2"),
+    # or why the values inside the attention are unavailable
+    attention_internals: str | Unavailable = "standard"
+    # why attention_premix is not attention_probabilities · values, where it is not (None: it is)
+    premix_is_not_mixed_values: str | None = None
     stream_readout: str | None = None
     # what a skipped block returns, given the stream and the block's envoy (None: the stream itself)
     skip_output: Callable | None = None
@@ -151,6 +157,11 @@ def pre_norm_block(
     )
 
 
+OWN_ATTENTION = Unavailable(
+    "this family computes attention in its own code, outside transformers' attention interface, so its queries, "
+    "keys, scores and probabilities are not at any module boundary"
+)
+
 PARALLEL_NO_MID = Unavailable(
     "a parallel block: the attention and the MLP both read the block input, so no stream exists between them"
 )
@@ -188,4 +199,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["OWN_ATTENTION", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

@@ -9,7 +9,7 @@ returns ``(hidden, attention_probs)``.
 from transformers import BloomConfig
 
 from ..errors import UnsupportedConfig
-from .base import Family, output, pre_norm_block, stream_and_none
+from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
 
 
 def _check(config):
@@ -28,6 +28,7 @@ def _check(config):
 
 BLOOM = Family(
     name="BLOOM",
+    attention_internals=OWN_ATTENTION,
     model_types=("bloom",),
     layers="transformer.h",
     embed_tokens="transformer.word_embeddings",

@@ -55,6 +55,8 @@ DEEPSEEK_V4 = Family(
     mlp="mlp",
     block=_block,
     stream_readout="model.hc_head",  # collapses the streams before the final norm
+    premix_is_not_mixed_values="each head's mixed values are rotated back (conjugate RoPE) before the grouped "
+                               "output projection, so attention_premix is the rotated mix",
     tiny_config=lambda: DeepseekV4Config(
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
         num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4,

@@ -13,7 +13,7 @@ edit of it does not reach the model; assigning it does). The block returns a tup
 from transformers import FalconConfig
 
 from ..errors import UnsupportedConfig
-from .base import Family, output, parallel_block, pre_norm_block, stream_and_none
+from .base import OWN_ATTENTION, Family, output, parallel_block, pre_norm_block, stream_and_none
 
 _MODULES = dict(attention="self_attention", o_proj="self_attention.dense", mlp="mlp", act="mlp.act",
                 down_proj="mlp.dense_4h_to_h")
@@ -39,6 +39,7 @@ def _block(config, i):
 
 FALCON = Family(
     name="Falcon",
+    attention_internals=OWN_ATTENTION,
     model_types=("falcon",),
     layers="transformer.h",
     embed_tokens="transformer.word_embeddings",

@@ -6,6 +6,7 @@ from .base import Family, pre_norm_block
 
 GPT2 = Family(
     name="GPT-2",
+    attention_internals="gpt2",  # its eager softmax runs in the scores' dtype
     model_types=("gpt2",),
     layers="transformer.h",
     embed_tokens="transformer.wte",

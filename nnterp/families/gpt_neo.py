@@ -6,10 +6,11 @@ Layers alternate global and local attention.
 
 from transformers import GPTNeoConfig
 
-from .base import Family, pre_norm_block, stream_and_none
+from .base import OWN_ATTENTION, Family, pre_norm_block, stream_and_none
 
 GPT_NEO = Family(
     name="GPT-Neo",
+    attention_internals=OWN_ATTENTION,
     model_types=("gpt_neo",),
     layers="transformer.h",
     embed_tokens="transformer.wte",

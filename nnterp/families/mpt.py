@@ -7,10 +7,11 @@ so its contribution is the attention's output. The block returns a tuple.
 
 from transformers import MptConfig
 
-from .base import Family, output, pre_norm_block, stream_and_none
+from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
 
 MPT = Family(
     name="MPT",
+    attention_internals=OWN_ATTENTION,
     model_types=("mpt",),
     layers="transformer.blocks",
     embed_tokens="transformer.wte",
