@@ -69,6 +69,7 @@ def check(model_name: str) -> int:
 
     from . import StandardizedTransformer
     from .embedded import embedded_model_path
+    from .selection import layer_ranges
     from .validation import ValidationError, check_identity, validate
 
     path = str(embedded_model_path()) if model_name == "embedded" else model_name
@@ -91,7 +92,7 @@ def check(model_name: str) -> int:
         signature = (tuple((k, str(a)) for k, a in model.availability(i).items()), block.formula)
         groups.setdefault(signature, []).append(i)
     for (values, formula), layers in groups.items():
-        print(f"\nlayers {_ranges(layers)}:")
+        print(f"\nlayers {layer_ranges(layers)}:")
         for key, where in values:
             print(f"  {key:28} {where}")
         print(f"  identity: {formula}")
@@ -106,17 +107,6 @@ def check(model_name: str) -> int:
             print(f"  {result}")
     print("FAILED" if failed else "OK")
     return 1 if failed else 0
-
-
-def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    spans: list[list[int]] = []
-    for i in layers:
-        if spans and spans[-1][1] == i - 1:
-            spans[-1][1] = i
-        else:
-            spans.append([i, i])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def main(argv: list[str] | None = None) -> None:

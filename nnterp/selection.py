@@ -23,3 +23,14 @@ def layer_indices(model, layers: int | Iterable[int] | None) -> list[int]:
     for layer in layers:
         model.block_spec(layer)  # a clear IndexError when out of range
     return sorted({layer % model.num_layers for layer in layers})
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for i in layers:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)

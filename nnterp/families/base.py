@@ -107,6 +107,11 @@ def softcap_logits(logits: torch.Tensor, config: PretrainedConfig) -> torch.Tens
     return torch.tanh(logits / cap) * cap
 
 
+# The module layout of the families that follow Llama's naming: ``Family(..., **MODEL_LAYERS)``.
+MODEL_LAYERS = dict(layers="model.layers", embed_tokens="model.embed_tokens", ln_final="model.norm",
+                    attention="self_attn", mlp="mlp")
+
+
 # -- shared shapes ----------------------------------------------------------------
 
 
@@ -199,4 +204,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["OWN_ATTENTION", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

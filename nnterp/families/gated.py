@@ -13,7 +13,7 @@ raw sublayer outputs. The stream is float32 whatever the weights' dtype; the blo
 
 from transformers import DogeConfig, ZayaConfig
 
-from .base import ROUTED, Family, output, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, Family, output, pre_norm_block
 
 _SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64)
@@ -50,13 +50,11 @@ def _zaya_block(config, i):
 
 
 DOGE = Family(
-    name="Doge", model_types=("doge",), layers="model.layers", embed_tokens="model.embed_tokens",
-    ln_final="model.norm", attention="self_attn", mlp="mlp", block=_doge_block,
+    name="Doge", model_types=("doge",), **MODEL_LAYERS, block=_doge_block,
     tiny_config=lambda: DogeConfig(**_SMALL, intermediate_size=128, keep_window_size=2048),
 )
 ZAYA = Family(
-    name="ZAYA", model_types=("zaya",), layers="model.layers", embed_tokens="model.embed_tokens",
-    ln_final="model.norm", attention="self_attn", mlp="mlp", block=_zaya_block,
+    name="ZAYA", model_types=("zaya",), **MODEL_LAYERS, block=_zaya_block,
     skip_output=lambda stream, block: (stream, block.inputs[0][1]),  # pass the router state on
     tiny_config=lambda: ZayaConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=1, router_hidden_size=16),

@@ -12,7 +12,7 @@ is not the block's: ``mlp_activation`` and ``mlp_neurons`` are unavailable.
 
 from transformers import Gemma4TextConfig
 
-from .base import ROUTED, Block, Family, output, pre_norm_block, softcap_logits
+from .base import MODEL_LAYERS, ROUTED, Block, Family, output, pre_norm_block, softcap_logits
 
 _SCALED = "layer_output = (layer_input + attention_output + mlp_output{ple}) * layer_scalar"
 
@@ -44,11 +44,7 @@ def _block(config, i):
 GEMMA4 = Family(
     name="Gemma-4",
     model_types=("gemma4_text",),
-    layers="model.layers",
-    embed_tokens="model.embed_tokens",
-    ln_final="model.norm",
-    attention="self_attn",
-    mlp="mlp",
+    **MODEL_LAYERS,
     block=_block,
     logits_transform=softcap_logits,
     tiny_config=lambda: Gemma4TextConfig(

@@ -9,7 +9,7 @@ outputs and the identity carries ``r``. (Block 0's input is the embedding times
 
 from transformers import GraniteConfig
 
-from .base import Family, pre_norm_block
+from .base import MODEL_LAYERS, Family, pre_norm_block
 
 
 def _block(config, i):
@@ -25,11 +25,7 @@ def _block(config, i):
 GRANITE = Family(
     name="Granite",
     model_types=("granite",),
-    layers="model.layers",
-    embed_tokens="model.embed_tokens",
-    ln_final="model.norm",
-    attention="self_attn",
-    mlp="mlp",
+    **MODEL_LAYERS,
     block=_block,
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: GraniteConfig(

@@ -9,7 +9,7 @@ first ``first_k_dense_replace`` layers, Qwen-MoE's ``mlp_only_layers`` and
 
 from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from .base import ROUTED, Family, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, Family, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -31,8 +31,7 @@ def _qwen_routed(config, i):
 
 def _moe(name, model_type, is_routed, tiny_config):
     return Family(
-        name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
-        ln_final="model.norm", attention="self_attn", mlp="mlp", block=_block(is_routed), tiny_config=tiny_config,
+        name=name, model_types=(model_type,), **MODEL_LAYERS, block=_block(is_routed), tiny_config=tiny_config,
     )
 
 

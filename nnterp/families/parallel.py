@@ -6,7 +6,7 @@ plain sum is exact. StableLM's sequential mode is the usual pre-norm block.
 
 from transformers import CohereConfig, PhiConfig, StableLmConfig
 
-from .base import Family, parallel_block, pre_norm_block
+from .base import MODEL_LAYERS, Family, parallel_block, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               vocab_size=128, max_position_embeddings=64)
@@ -21,9 +21,8 @@ def _stablelm_block(config, i):
 
 
 def _family(name, model_type, ln_final, block, tiny_config, **readout):
-    return Family(name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
-                  ln_final=ln_final, attention="self_attn", mlp="mlp", block=block, tiny_config=tiny_config,
-                  **readout)
+    return Family(name=name, model_types=(model_type,), **{**MODEL_LAYERS, "ln_final": ln_final}, block=block,
+                  tiny_config=tiny_config, **readout)
 
 
 PHI = _family("Phi", "phi", "model.final_layernorm", lambda config, i: parallel_block(

@@ -9,7 +9,7 @@ reads ``layer_input`` and the MLP reads ``layer_mid``.
 
 from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, Olmo2Config, Olmo3Config, SiglipVisionConfig
 
-from .base import Family, Unavailable, input, output, pre_norm_block, softcap_logits
+from .base import MODEL_LAYERS, Family, Unavailable, input, output, pre_norm_block, softcap_logits
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -39,8 +39,7 @@ def _olmo2_block(config, i):
 
 def _family(name, model_type, block, tiny_config, **readout):
     return Family(
-        name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
-        ln_final="model.norm", attention="self_attn", mlp="mlp", block=block, tiny_config=tiny_config, **readout,
+        name=name, model_types=(model_type,), **MODEL_LAYERS, block=block, tiny_config=tiny_config, **readout,
     )
 
 
