@@ -21,7 +21,6 @@ import copy
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -91,7 +90,7 @@ def hooked_floor(model, where):
 
     def run(ids):
         kept.clear()
-        model(input_ids=ids)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))  # as nnsight calls it
         return len(kept)
     return run
 
@@ -137,20 +136,23 @@ def nnterp_values(std):
     return run
 
 
-def transformer_lens_gpt2():
-    """(d): TransformerLens run_with_cache on GPT-2's architecture, caching the comparable hooks."""
+def transformer_lens(model):
+    """(d): TransformerLens ``run_with_cache`` (its TransformerBridge over the same HF model), caching the
+    comparable hooks. TransformerLens switches the model to eager attention to serve its hooks."""
     try:
-        from transformer_lens import HookedTransformer, HookedTransformerConfig
+        from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
         return None
-    cfg = HookedTransformerConfig(n_layers=12, d_model=768, n_ctx=1024, d_head=64, n_heads=12, d_mlp=3072,
-                                  d_vocab=50257, act_fn="gelu_new", normalization_type="LN", device="cpu")
-    model = HookedTransformer(cfg).eval()
-    wanted = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_z", "hook_attn_out", "hook_resid_mid",
-              "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+    folder = tempfile.mkdtemp(prefix="nnterp-bench-tl-")
+    model.config.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    bridge = TransformerBridge.boot_transformers(folder, hf_model=model, tokenizer=T.AutoTokenizer.from_pretrained(folder),
+                                                 device="cpu")
+    wanted = ("hook_resid_pre", "ln1.hook_out", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "ln2.hook_out",
+              "mlp.hook_in", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
 
     def run(ids):
-        _, cache = model.run_with_cache(ids, names_filter=lambda name: name.endswith(wanted))
+        _, cache = bridge.run_with_cache(ids, names_filter=lambda name: name.endswith(wanted))
         return len(cache)
     return run
 
@@ -183,7 +185,9 @@ def trace_costs(name, build, rounds, with_tl=False):
         "(c) nnterp": nnterp_values(std),
     }
     if with_tl:
-        tl = transformer_lens_gpt2()
+        eager = StandardizedTransformer(copy.deepcopy(base), tokenizer=tok, attention_values=True)
+        variants["(c) nnterp, attention values on"] = nnterp_values(eager)
+        tl = transformer_lens(copy.deepcopy(base))
         if tl:
             variants["(d) TransformerLens"] = tl
     ids = torch.randint(0, 30000, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -191,10 +195,12 @@ def trace_costs(name, build, rounds, with_tl=False):
     floor = medians["(a) hooks floor"]
     print(f"\n{name}: batch {BATCH} x seq {SEQ}, {per_block} values per block, median of {rounds} rounds")
     for variant, seconds in medians.items():
-        print(f"  {variant:22} {seconds * 1000:9.1f} ms   x{seconds / floor:5.2f} of (a)")
+        print(f"  {variant:32} {seconds * 1000:9.1f} ms   x{seconds / floor:5.2f} of (a)")
     c, b = medians["(c) nnterp"], medians["(b) raw nnsight"]
     print(f"  (c)/(b) = {c / b:.3f}   (c)/(a) = {c / floor:.3f}"
-          + (f"   (c)/(d) = {c / medians['(d) TransformerLens']:.3f}" if "(d) TransformerLens" in medians else ""))
+          + (f"   (c)/(d) = {c / medians['(d) TransformerLens']:.3f}   (c, eager)/(d) = "
+             f"{medians['(c) nnterp, attention values on'] / medians['(d) TransformerLens']:.3f}"
+             if "(d) TransformerLens" in medians else ""))
     return medians
 
 
@@ -287,7 +293,8 @@ def collection_child(kind: str, n: int) -> None:
                 batch = tok(prompts[start_row:start_row + 32], return_tensors="pt", padding=True)
                 model(**batch)
     seconds = time.perf_counter() - start
-    print(f"{seconds} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}")  # peak RSS of the process, MiB
+    peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    print(f"{seconds} {peak_kib / 1024}")  # the process's own peak RSS (ru_maxrss would include the parent's)
 
 
 def collection_costs(n: int):

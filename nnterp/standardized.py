@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-
-import dataclasses
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode

@@ -88,6 +88,7 @@ def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
 
 
 SEQ = 5
+CACHE_FORMAT = 2  # bump when what a validation records changes (2: the attention probes' events)
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
@@ -104,8 +105,9 @@ def validation_key(config, architecture: type) -> str:
     family = family_of(config, architecture.__name__)
     spec = [(sorted(map(repr, block.values.items())), repr(block.extra), block.formula)
             for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
-    text = json.dumps([architecture.__name__, miniature_config(config).to_json_string(use_diff=False), repr(spec),
-                       torch.__version__, transformers.__version__, _nnsight.__version__, __version__])
+    text = json.dumps([CACHE_FORMAT, architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
+                       repr(spec), repr(family.attention_internals), torch.__version__, transformers.__version__,
+                       _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
