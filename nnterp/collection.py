@@ -62,8 +62,8 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
 
 
 def _collect_batch(model, batch, names, layers, positions, dtype) -> dict[str, torch.Tensor]:
-    inputs = model.tokenizer(batch, return_tensors="pt", padding=True)
-    with torch.no_grad(), model.trace(batch):
+    inputs = model.tokenizer(batch, return_tensors="pt", padding=True)  # tokenized once: the trace runs on it
+    with torch.no_grad(), model.trace(inputs):
         read = nnsight.save({})
         for layer in layers:
             order = model.order(layer)

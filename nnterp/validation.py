@@ -72,9 +72,7 @@ def _expected_dims(model, name: str) -> tuple[int | None, ...]:
         return (1, SEQ, None, None)
     if name in ("attention_scores", "attention_probabilities"):
         return (1, model.num_heads, SEQ, None)
-    if name in ("layer_input", "layer_mid", "layer_output"):
-        return (1, SEQ, hidden)  # or [1, SEQ, streams, hidden]: checked below
-    return (1, SEQ, hidden)
+    return (1, SEQ, hidden)  # the stream may also be [1, SEQ, streams, hidden]: see _shape_problem
 
 
 def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
