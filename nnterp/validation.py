@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import nnsight
 import torch
 
+from .catalog import CATALOG
 from .embedded import cache_root
 from .errors import NNterpError
-from .catalog import CATALOG
 from .families.base import SEQUENTIAL
 from .miniature import miniature_config
 
@@ -31,26 +31,31 @@ class IdentityResult:
         return f"layer {self.layer}: {self.formula}: {status}"
 
 
+def read_blocks(model, inputs, names=None) -> list[dict[str, torch.Tensor]]:
+    """One trace reading, per block and in forward order, the values named (all, with None) and the identity extras."""
+    with torch.no_grad(), model.trace(inputs):
+        read = nnsight.save([{} for _ in range(model.num_layers)])
+        for i in range(model.num_layers):
+            for _, key, location in model._timeline(i):
+                name = key.rpartition(".")[2]
+                if names is None or key.startswith("extra.") or name in names:
+                    read[i][name] = location.read(model.layers[i], model.num_heads)
+    return read
+
+
+def identity_of(model, layer: int, values: dict[str, torch.Tensor]) -> IdentityResult:
+    """Recompute block ``layer``'s output from its values with the family's formula, and compare."""
+    block = model.block_spec(layer)
+    recomputed = block.combine(values, model.layers[layer]._module)
+    diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
+    return IdentityResult(layer, block.formula, torch.equal(recomputed, values["layer_output"]), diff)
+
+
 def check_identity(model, inputs=None) -> list[IdentityResult]:
     """Read every block's values in forward order in one trace and recompute ``layer_output``."""
     if inputs is None:
         inputs = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
-    with torch.no_grad(), model.trace(inputs):
-        terms = nnsight.save([{} for _ in range(model.num_layers)])
-        for i in range(model.num_layers):
-            for _, key, location in model._timeline(i):
-                name = key.rpartition(".")[2]
-                if key.startswith("extra.") or name in IDENTITY_TERMS:
-                    terms[i][name] = location.read(model.layers[i], model.num_heads)
-    results = []
-    for i, values in enumerate(terms):
-        block = model.block_spec(i)
-        if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
-            problems += _attention_problems(i, values)
-        recomputed = block.combine(values, model.layers[i]._module)
-        diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
-        results.append(IdentityResult(i, block.formula, torch.equal(recomputed, values["layer_output"]), diff))
-    return results
+    return [identity_of(model, i, values) for i, values in enumerate(read_blocks(model, inputs, IDENTITY_TERMS))]
 
 
 # -- validation at load, on a miniature of the config ------------------------------------
@@ -129,13 +134,7 @@ def problems_of(model) -> list[str]:
     """Every way the family spec fails on ``model``: shapes of the values, and the identity."""
     problems = []
     ids = torch.arange(1, SEQ + 1).remainder(model.vocab_size).unsqueeze(0)
-    with torch.no_grad(), model.trace(ids):
-        read = nnsight.save([{} for _ in range(model.num_layers)])
-        for i in range(model.num_layers):
-            for _, key, location in model._timeline(i):
-                read[i][key.rpartition(".")[2]] = location.read(model.layers[i], model.num_heads)
-    for i, values in enumerate(read):
-        block = model.block_spec(i)
+    for i, values in enumerate(read_blocks(model, ids)):
         for value in CATALOG:
             if value.name in values:
                 problem = _shape_problem(model, value.name, tuple(values[value.name].shape))
@@ -145,11 +144,10 @@ def problems_of(model) -> list[str]:
             continue
         if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
             problems += _attention_problems(i, values)
-        recomputed = block.combine(values, model.layers[i]._module)
-        if not torch.equal(recomputed, values["layer_output"]):
-            diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
-            problems.append(f"layer {i}: the identity fails (max |diff| {diff:.3g}): {block.formula}; "
-                            + _suspects(block, values))
+        result = identity_of(model, i, values)
+        if not result.exact:
+            problems.append(f"layer {i}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
+                            + _suspects(model.block_spec(i), values))
     return problems
 
 
