@@ -117,6 +117,18 @@ def probe_location(attention_path: str, name: str):
     return At(f"{attention_path}.nnterp_attention.{probe}", "output", heads_first=name in ("queries", "keys", "values"))
 
 
+def internal_locations(family, on: bool = True) -> dict:
+    """Where a family's attention internals are read (their probes), or why they are unavailable."""
+    from .catalog import ATTENTION_INTERNALS
+    from .standardized import ATTENTION_OFF
+
+    if not isinstance(family.attention_internals, str):
+        return dict.fromkeys(ATTENTION_INTERNALS, family.attention_internals)
+    if not on:
+        return dict.fromkeys(ATTENTION_INTERNALS, ATTENTION_OFF)
+    return {name: probe_location(family.attention, name) for name in ATTENTION_INTERNALS}
+
+
 def head_outputs(model, layer: int) -> torch.Tensor:
     """Inside a trace: each head's contribution through the output projection, ``[batch, seq, heads, out]``.
 

@@ -13,8 +13,8 @@ import re
 import sys
 from pathlib import Path
 
-from .attention import probe_location
-from .catalog import ATTENTION_INTERNALS, CATALOG
+from .attention import internal_locations
+from .catalog import CATALOG
 from .families import FAMILIES, Family
 from .families.base import Block
 from .locations import At, SameAs, Unavailable
@@ -37,19 +37,12 @@ def _where(block: Block, name: str) -> str:
     return f"`{location.describe()}`"
 
 
-def _internals(family: Family) -> dict:
-    """Where the attention internals are read once attention values are on, or why they cannot be."""
-    if not isinstance(family.attention_internals, str):
-        return dict.fromkeys(ATTENTION_INTERNALS, family.attention_internals)
-    return {name: probe_location(family.attention, name) for name in ATTENTION_INTERNALS}
-
-
 def _groups(family: Family) -> list[tuple[list[int], Block]]:
     config = family.tiny_config().get_text_config()
     groups: list[tuple[list[int], Block]] = []
     for i in range(config.num_hidden_layers):
         structure = family.block(config, i)
-        block = dataclasses.replace(structure, values={**structure.values, **_internals(family)})
+        block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family)})
         for layers, seen in groups:
             if repr(sorted(seen.values.items())) == repr(sorted(block.values.items())) and seen.formula == block.formula:
                 layers.append(i)

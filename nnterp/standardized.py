@@ -13,7 +13,7 @@ from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import attention
-from .catalog import ATTENTION_INTERNALS, BY_NAME, CATALOG
+from .catalog import BY_NAME, CATALOG
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
@@ -212,13 +212,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_blocks = self._with_attention_internals()
 
     def _with_attention_internals(self) -> tuple[Block, ...]:
-        internals = self.family.attention_internals
-        if not isinstance(internals, str):
-            where = dict.fromkeys(ATTENTION_INTERNALS, internals)
-        elif not self._nnterp_attention_on:
-            where = dict.fromkeys(ATTENTION_INTERNALS, ATTENTION_OFF)
-        else:
-            where = {name: attention.probe_location(self.family.attention, name) for name in ATTENTION_INTERNALS}
+        where = attention.internal_locations(self.family, self._nnterp_attention_on)
         return tuple(dataclasses.replace(block, values={**block.values, **where}) for block in self._nnterp_structure)
 
     def head_outputs(self, layer: int) -> torch.Tensor:
@@ -245,31 +239,6 @@ class StandardizedTransformer(TransformersModel):
 
     def skip_layer(self, layer: int) -> None:
         self.skip_layers(layer, layer)
-
-    @property
-    def layers_input(self) -> "ValueList":
-        """1.x name: ``layers_input[i]`` is ``layers[i].layer_input``."""
-        return ValueList(self, "layer_input")
-
-    @property
-    def layers_output(self) -> "ValueList":
-        """1.x name: ``layers_output[i]`` is ``layers[i].layer_output``."""
-        return ValueList(self, "layer_output")
-
-    @property
-    def attentions_output(self) -> "ValueList":
-        """1.x name: ``attentions_output[i]`` is ``layers[i].self_attn.attention_output``."""
-        return ValueList(self, "attention_output")
-
-    @property
-    def mlps_input(self) -> "ValueList":
-        """1.x name: ``mlps_input[i]`` is ``layers[i].mlp_input``."""
-        return ValueList(self, "mlp_input")
-
-    @property
-    def mlps_output(self) -> "ValueList":
-        """1.x name: ``mlps_output[i]`` is ``layers[i].mlp.mlp_output``."""
-        return ValueList(self, "mlp_output")
 
     # -- per-block values ---------------------------------------------------------------
     def block_spec(self, layer: int) -> Block:
@@ -334,6 +303,11 @@ class StandardizedTransformer(TransformersModel):
         return index
 
 
+# The 1.x per-layer accessors: ``model.layers_output[i]`` is ``model.layers[i].layer_output``, and so on.
+LEGACY_VALUE_LISTS = {"layers_input": "layer_input", "layers_output": "layer_output",
+                      "attentions_output": "attention_output", "mlps_input": "mlp_input", "mlps_output": "mlp_output"}
+
+
 class ValueList:
     """One standard value across the blocks, indexed by layer: read, assign (``values[i] = t``), iterate."""
 
@@ -351,6 +325,11 @@ class ValueList:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+for _alias, _name in LEGACY_VALUE_LISTS.items():
+    setattr(StandardizedTransformer, _alias, property(
+        lambda self, name=_name: ValueList(self, name), doc=f"1.x name: ``{_alias}[i]`` is the standard ``{_name}``."))
 
 
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one
