@@ -69,7 +69,7 @@ def smollm2():
 
 def locations(std: StandardizedTransformer):
     """Per block: (key, At) of the available values in forward order (the same boundaries for every variant)."""
-    return [[(key, location) for _, key, location in std._timeline(i) if not key.startswith("extra.")]
+    return [[(key, location) for _, key, location in std.timeline(i) if not key.startswith("extra.")]
             for i in range(std.num_layers)]
 
 

@@ -1,100 +1,75 @@
 """The values inside the attention sublayer: queries, keys, values, scores, probabilities, per-head outputs.
 
-Attention implementations fuse these (sdpa, flash), so nnterp registers one of its own,
-``"nnterp"``: the eager computation of transformers' attention interface, with each
-intermediate passing through an identity probe module (``self_attn.nnterp_attention.queries``,
-``.keys``, ``.values``, ``.scores``, ``.probabilities``). The values are those modules' outputs,
-live like every other value, at the cost of eager attention instead of sdpa. Turn it on with
-``StandardizedTransformer(..., attention_values=True)`` or ``model.enable_attention_values()``.
+Fused attention implementations (sdpa, flash) compute these without ever holding them, so they
+are read from the model's own *eager* attention function, through nnsight's ``.source``: the
+inputs of the attention-interface call (queries, keys and values), the input of its softmax
+(the scores) and the pattern its last matmul mixes the values with (the probabilities). Nothing
+is added to the model: the same reads run on a plain nnsight model anywhere. Turn them on with
+``StandardizedTransformer(..., attention_values=True)`` or ``model.enable_attention_values()``,
+which switch the model to transformers' ``"eager"`` attention.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-from torch.nn import functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-IMPLEMENTATION = "nnterp"
-PROBES = ("queries", "keys", "values", "scores", "probabilities")
+from .catalog import ATTENTION_INTERNALS
+from .errors import ValueUnavailable
+from .locations import At, Unavailable
 
-
-class Probe(nn.Module):
-    """An identity: a module boundary where nnsight can read and replace a tensor."""
-
-    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+IMPLEMENTATION = "eager"
 
 
-class AttentionValues(nn.Module):
-    """Eager attention, ``softmax(q·kᵀ·scale (+ softcap) + mask) · v``, through probes.
+@dataclass(frozen=True)
+class EagerAttention:
+    """Where a family's eager attention computes its internals, as nnsight ``.source`` operation names.
 
-    ``style`` follows the family's own eager code where it differs: ``"standard"`` (softmax in
-    float32, then the query's dtype), ``"gpt2"`` (softmax in the scores' dtype, then the value's),
-    ``"float32_scores"`` (GPT-J, CodeGen: scores computed in float32, softmax, then the value's dtype).
-    ``s_aux`` (attention sinks, GPT-OSS) adds one logit per head to each row's softmax and drops
-    it, so the rows sum to less than 1.
+    ``call`` is the attention module's call of its attention function (queries, keys and values
+    are its arguments 1 to 3, ``[batch, heads, seq, head_dim]``); ``scores`` is the operation
+    whose input (or output) is the masked scores; ``probabilities`` the matmul whose first
+    argument is the pattern that mixes the values.
     """
 
-    def __init__(self, style: str = "standard"):
-        super().__init__()
-        self.style = style
-        for name in PROBES:
-            self.add_module(name, Probe())
+    call: str = "attention_interface_1"
+    scores: str = "nn_functional_softmax_0"
+    scores_side: str = "input"
+    probabilities: str = "torch_matmul_1"
+    queries_arg: int = 1  # the attention interface takes the module first
 
-    def forward(self, attention: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                softcap=None, s_aux=None):
-        query, key, value = self.queries(query), self.keys(key), self.values(value)
-        if scaling is None:
-            scaling = query.shape[-1] ** -0.5
-        groups = query.shape[1] // key.shape[1]
-        key_states = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-        value_states = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-        if self.style == "float32_scores":
-            scores = torch.matmul(query.to(torch.float32), key_states.to(torch.float32).transpose(2, 3)) * scaling
-        else:
-            scores = torch.matmul(query, key_states.transpose(2, 3)) * scaling
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        scores = self.scores(scores)
-        if s_aux is not None:
-            sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
-            combined = torch.cat([scores, sinks], dim=-1)
-            combined = combined - combined.max(dim=-1, keepdim=True).values
-            probabilities = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value_states.dtype)
-        elif self.style in ("gpt2", "float32_scores"):
-            probabilities = F.softmax(scores, dim=-1).to(value_states.dtype)
-        else:
-            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        probabilities = F.dropout(probabilities, p=dropout, training=attention.training)
-        probabilities = self.probabilities(probabilities)
-        output = torch.matmul(probabilities, value_states).transpose(1, 2).contiguous()
-        return output, probabilities
+    def locations(self, attention: str) -> dict[str, At]:
+        inner = f"{self.call}."
+        q = self.queries_arg
+        return {
+            "queries": At(attention, "input", op=self.call, arg=q, heads_first=True),
+            "keys": At(attention, "input", op=self.call, arg=q + 1, heads_first=True),
+            "values": At(attention, "input", op=self.call, arg=q + 2, heads_first=True),
+            "attention_scores": At(attention, self.scores_side, op=inner + self.scores),
+            "attention_probabilities": At(attention, "input", op=inner + self.probabilities),
+        }
 
 
-def nnterp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
-                             s_aux=None, **kwargs):
-    """transformers' attention-interface signature, served by the module's probes."""
-    probes = getattr(module, "nnterp_attention", None)
-    if probes is None:
-        raise RuntimeError(f"{type(module).__name__} has no nnterp attention probes: wrap the model with "
-                           "StandardizedTransformer(..., attention_values=True).")
-    return probes(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap,
-                  s_aux=s_aux)
+STANDARD = EagerAttention()
+# Attention sinks (GPT-OSS, DeepSeek-V4): the softmax runs over the scores plus one sink logit per
+# head, so the scores are the masked scores before the sink column joins them.
+WITH_SINKS = EagerAttention(scores="attn_weights_1", scores_side="output")
+
+OFF = Unavailable(
+    "the values inside the attention are off: load with StandardizedTransformer(..., attention_values=True) "
+    "or call model.enable_attention_values() (it runs eager attention, slower than sdpa)"
+)
 
 
-AttentionInterface.register(IMPLEMENTATION, nnterp_attention_forward)
-AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)  # the additive float mask of eager attention
-
-
-def install_probes(attention_modules: list[nn.Module], style: str) -> None:
-    """Give every attention module its probes (inert until the ``"nnterp"`` implementation runs)."""
-    for module in attention_modules:
-        if not hasattr(module, "nnterp_attention"):
-            module.add_module("nnterp_attention", AttentionValues(style))
+def internal_locations(family, config, on: bool = True) -> dict:
+    """Where a family's attention internals are read with ``config``, or why they are unavailable."""
+    where = family.attention_of(config)
+    if isinstance(where, Unavailable):
+        return dict.fromkeys(ATTENTION_INTERNALS, where)
+    if not on:
+        return dict.fromkeys(ATTENTION_INTERNALS, OFF)
+    return where.locations(family.attention)
 
 
 def implementation_of(model: nn.Module) -> str | None:
@@ -109,41 +84,26 @@ def set_implementation(model: nn.Module, implementation: str | None) -> None:
             sub._attn_implementation = implementation
 
 
-def probe_location(attention_path: str, name: str):
-    """Where an attention internal is read: its probe's output (q, k, v viewed as ``[batch, seq, heads, dim]``)."""
-    from .locations import At
-
-    probe = {"attention_scores": "scores", "attention_probabilities": "probabilities"}.get(name, name)
-    return At(f"{attention_path}.nnterp_attention.{probe}", "output", heads_first=name in ("queries", "keys", "values"))
-
-
-def internal_locations(family, on: bool = True) -> dict:
-    """Where a family's attention internals are read (their probes), or why they are unavailable."""
-    from .catalog import ATTENTION_INTERNALS
-    from .standardized import ATTENTION_OFF
-
-    if not isinstance(family.attention_internals, str):
-        return dict.fromkeys(ATTENTION_INTERNALS, family.attention_internals)
-    if not on:
-        return dict.fromkeys(ATTENTION_INTERNALS, ATTENTION_OFF)
-    return {name: probe_location(family.attention, name) for name in ATTENTION_INTERNALS}
-
-
 def head_outputs(model, layer: int) -> torch.Tensor:
     """Inside a trace: each head's contribution through the output projection, ``[batch, seq, heads, out]``.
 
     Their sum over heads, plus the projection's bias, is the projection's output (the attention's
     output before any norm after it). A computed tensor, not a live one: to ablate or scale a head,
-    edit ``attention_premix`` (``scale_heads``).
+    edit ``attention_premix`` (``scale_heads``). The projection's weight is read inside its own
+    forward (its input is the premix), so an offloaded weight is the real one, on its device.
     """
-    projection = _output_projection(model, layer)
+    location = _output_projection(model, layer)
+    envoy = location.envoy(model.layers[layer])
     premix = model.layers[layer].self_attn.attention_premix  # [batch, seq, heads, head_dim]
-    weight = projection.weight
-    if type(projection).__name__ == "Conv1D":  # GPT-2's projections store [in, out]
+    weight = envoy.weight
+    if type(envoy._module).__name__ == "Conv1D":  # GPT-2's projections store [in, out]
         weight = weight.t()
     heads, head_dim = premix.shape[-2], premix.shape[-1]
+    if weight.shape[-1] != heads * head_dim:
+        raise ValueUnavailable("self_attn.head_outputs", model.family.name,
+                               "the output projection mixes groups of heads, not every head at once")
     per_head = weight.reshape(weight.shape[0], heads, head_dim)  # [out, heads, head_dim]
-    return torch.einsum("bshd,ohd->bsho", premix, per_head.to(premix.dtype))
+    return torch.einsum("bshd,ohd->bsho", premix, per_head.to(device=premix.device, dtype=premix.dtype))
 
 
 def scale_heads(model, layer: int, heads, factor: float = 0.0) -> None:
@@ -152,13 +112,13 @@ def scale_heads(model, layer: int, heads, factor: float = 0.0) -> None:
     premix[:, :, heads] *= factor
 
 
-def _output_projection(model, layer: int) -> nn.Module:
-    from .errors import ValueUnavailable
-    from .locations import At
-
+def _output_projection(model, layer: int) -> At:
     location = model.block_spec(layer).resolve("attention_premix")
-    projection = location.module(model.layers[layer]._module) if isinstance(location, At) else None
+    projection = None
+    if isinstance(location, At) and not location.op:
+        projection = model._module.get_submodule(model.block_path(layer, location.path))
     if not isinstance(projection, nn.Linear) and type(projection).__name__ != "Conv1D":
         raise ValueUnavailable("self_attn.head_outputs", model.family.name,
                                "the heads are not mixed by one linear output projection")
-    return projection
+    return location
+

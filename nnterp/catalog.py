@@ -57,3 +57,11 @@ OWNERS = ("block", "self_attn", "mlp")
 
 def values_of(owner: str) -> tuple[Value, ...]:
     return tuple(v for v in CATALOG if v.owner == owner)
+
+
+def value_named(value: str) -> Value:
+    """``"mlp.mlp_output"`` or ``"mlp_output"``: the catalog entry; a clear error for an unknown value."""
+    name = value.rpartition(".")[2]
+    if name not in BY_NAME:
+        raise ValueError(f"Unknown standard value {value!r}. The values are: {', '.join(BY_NAME)}.")
+    return BY_NAME[name]

@@ -68,7 +68,7 @@ def _collect_batch(model, batch, names, layers, positions, dtype) -> dict[str, t
         for layer in layers:
             order = model.order(layer)
             for name in sorted(names, key=lambda n: order[BY_NAME[n].key]):  # forward order within a block
-                read[(name, layer)] = model._read_value(layer, name)
+                read[(name, layer)] = model.read_value(layer, name)
     mask = inputs.attention_mask.bool()
     if positions == "last":
         select = torch.zeros_like(mask)

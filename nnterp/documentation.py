@@ -42,7 +42,7 @@ def _groups(family: Family) -> list[tuple[list[int], Block]]:
     groups: list[tuple[list[int], Block]] = []
     for i in range(config.num_hidden_layers):
         structure = family.block(config, i)
-        block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family)})
+        block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family, config)})
         for layers, seen in groups:
             if repr(sorted(seen.values.items())) == repr(sorted(block.values.items())) and seen.formula == block.formula:
                 layers.append(i)
@@ -76,9 +76,9 @@ def family_page(family: Family) -> str:
         if block.extra:
             lines += ["Other terms of the identity: " + ", ".join(
                 f"`{name}` = `{location.describe()}`" for name, location in block.extra.items()) + ".", ""]
-        if isinstance(family.attention_internals, str):
-            lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read once "
-                      "they are on: `StandardizedTransformer(..., attention_values=True)`"
+        if not isinstance(family.attention_of(config.get_text_config()), Unavailable):
+            lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read inside "
+                      "the model's eager attention once they are on: `StandardizedTransformer(..., attention_values=True)`"
                       + (f". `attention_premix` is not `attention_probabilities · values` here: "
                          f"{family.premix_is_not_mixed_values}." if family.premix_is_not_mixed_values else "."), ""]
         lines += ["| value | read at |", "|---|---|"]

@@ -26,10 +26,10 @@ class Slot:
 
 def _property(value: Value) -> property:
     def fget(self):
-        return self._nnterp_slot.model._read_value(self._nnterp_slot.layer, value.name)
+        return self._nnterp_slot.model.read_value(self._nnterp_slot.layer, value.name)
 
     def fset(self, new):
-        self._nnterp_slot.model._write_value(self._nnterp_slot.layer, value.name, new)
+        self._nnterp_slot.model.write_value(self._nnterp_slot.layer, value.name, new)
 
     return property(fget, fset, doc=f"{value.meaning}, {value.shape}.")
 
@@ -42,8 +42,8 @@ class StandardEnvoy(Envoy):
         # the value's own error rather than nnsight's generic "has no attribute".
         slot = self.__dict__.get("_nnterp_slot")
         if slot is not None and name in {v.name for owner in self._nnterp_owners for v in values_of(owner)}:
-            return slot.model._read_value(slot.layer, name)
-        return super().__getattr__(name)
+            return slot.model.read_value(slot.layer, name)
+        return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
 
 
 def _envoy_class(class_name: str, *owners: str, **extra) -> type[StandardEnvoy]:
@@ -67,4 +67,4 @@ class LayersEnvoy(Envoy):
         count = len(self._module)
         if isinstance(key, int) and not -count <= key < count:
             raise IndexError(f"Layer {key} is out of range: the model has {count} layers (0 to {count - 1}).")
-        return super().__getitem__(key)
+        return Envoy.__getitem__(self, key)

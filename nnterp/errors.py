@@ -10,7 +10,8 @@ class ValueUnavailable(NNterpError, AttributeError):
 
     def __init__(self, key: str, family: str, reason: str):
         self.key, self.family, self.reason = key, family, reason
-        super().__init__(
+        NNterpError.__init__(
+            self,
             f"'{key}' is unavailable on {family}: {reason}. "
             "See model.availability(i) for the values this block has."
         )

@@ -28,7 +28,7 @@ def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", fac
     """
     name = value_name(value)
     for layer in layer_indices(model, layers):
-        tensor = model._read_value(layer, name)
+        tensor = model.read_value(layer, name)
         if vector.shape[-1] != tensor.shape[-1]:
             raise ValueError(f"The steering vector has {vector.shape[-1]} features; '{value}' has {tensor.shape[-1]}.")
         rows = slice(None) if batch is None else batch
@@ -119,12 +119,12 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
                          f"{clean_ids.shape[1]} tokens, the corrupted one {corrupted_ids.shape[1]}.")
     positions = list(range(clean_ids.shape[1])) if positions is None else list(positions)
     with torch.no_grad(), model.trace(clean_ids):
-        sources = nnsight.save([model._read_value(layer, name) for layer in layers])
+        sources = nnsight.save([model.read_value(layer, name) for layer in layers])
     effects = torch.empty(len(layers), len(positions))
     batch = corrupted_ids.repeat(len(positions), 1)
     for row, (layer, source) in enumerate(zip(layers, sources)):
         with torch.no_grad(), model.trace(batch):
-            target = model._read_value(layer, name)
+            target = model.read_value(layer, name)
             for j, position in enumerate(positions):
                 target[j, position] = source[0, position]
             scores = nnsight.save(metric(model.logits))
@@ -142,10 +142,10 @@ def patchscope_lens(model, source_prompts: str | Sequence[str], target_prompt: s
     sources = [source_prompts] if isinstance(source_prompts, str) else list(source_prompts)
     layers = layer_indices(model, layers)
     with torch.no_grad(), model.trace(sources):
-        latents = nnsight.save([model._read_value(layer, name)[:, -1] for layer in layers])
+        latents = nnsight.save([model.read_value(layer, name)[:, -1] for layer in layers])
     probs = []
     for layer, latent in zip(layers, latents):
         with torch.no_grad(), model.trace([target_prompt] * len(sources)):
-            model._read_value(layer, name)[:, index_to_patch] = latent
+            model.read_value(layer, name)[:, index_to_patch] = latent
             probs.append(nnsight.save(model.next_token_probs))
     return torch.stack([p.float().cpu() for p in probs], dim=1)

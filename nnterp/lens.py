@@ -31,7 +31,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
         with model.trace(prompts):
             # [:, [position]] keeps the sequence dimension, which a stream readout (DeepSeek-V4) expects
             hidden = nnsight.save([
-                model._read_value(i, name) if position is None else model._read_value(i, name)[:, [position]]
+                model.read_value(i, name) if position is None else model.read_value(i, name)[:, [position]]
                 for i in layers
             ])
         probs = torch.stack([model.project_on_vocab(h).float().softmax(dim=-1) for h in hidden], dim=1).cpu()

@@ -1,9 +1,12 @@
-"""Where a standard value is read, and how it is written back.
+"""Where a standard value is read, and how it is written back: portable data over the unmodified model.
 
-A location is relative to one block: a module boundary (``At``), the same place as
-another value (``SameAs``), or nothing (``Unavailable``). Reading returns nnsight's
-live tensor, so in-place edits reach the model; writing swaps the tensor in place of
-the module's own, keeping any tuple around it.
+A location is relative to one block: a module boundary or an operation inside a module's
+forward (``At``), the same place as another value (``SameAs``), or nothing (``Unavailable``).
+Reading and writing interpret the data with nnsight alone (native module paths, ``.source``
+operations, pure tensor views), so a trace that reads standard values runs wherever nnsight
+runs it: locally, or on a server that has only torch, transformers and nnsight. Reading
+returns nnsight's live tensor, so in-place edits reach the model; writing swaps the tensor in
+place of the module's own, keeping any tuple around it.
 """
 
 from __future__ import annotations
@@ -12,24 +15,26 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .errors import BadAssignment
 
 
 @dataclass(frozen=True)
 class At:
-    """A tensor at a module boundary of the block.
+    """A tensor at a module boundary of the block, or at an operation inside a module's forward.
 
-    ``path`` is relative to the block ("" is the block itself). An ``"output"`` is the
-    module's return value, or its element ``index`` when the module returns a tuple.
-    An ``"input"`` is positional argument ``arg``, or keyword ``kwarg`` when the module
-    was called with keywords only. ``heads`` views the last dimension as
-    ``[num_heads, head_dim]``. ``unflatten`` views a tensor the block flattened to
-    ``[batch * seq, features]`` as ``[batch, seq, features]``. ``heads_first`` views
-    ``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``. ``copy`` reads a clone, for the rare tensor the model itself
-    changes in place after producing it (an edit of the copy does not reach the model; an
-    assignment does).
+    ``path`` is relative to the block ("" is the block itself). ``op`` names an operation of
+    that module's forward as nnsight's ``.source`` labels it, dotted to reach into a called
+    function (``"attention_interface_1.torch_matmul_1"``). An ``"output"`` is the return value,
+    or its element ``index`` when it is a tuple. An ``"input"`` is positional argument ``arg``,
+    or keyword ``kwarg`` when it was passed by keyword.
+
+    Views, all pure tensor steps: ``heads`` views the last dimension as ``[num_heads, head_dim]``;
+    ``heads_first`` views ``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``;
+    ``unflatten`` views a tensor the block flattened to ``[batch * seq, features]`` as
+    ``[batch, seq, features]`` (``[batch, seq]`` read from the block's input in the same trace);
+    ``copy`` reads a clone, for the rare tensor the model itself changes in place after producing
+    it (an edit of the copy does not reach the model; an assignment does).
     """
 
     path: str
@@ -37,6 +42,7 @@ class At:
     index: int = 0
     arg: int = 0
     kwarg: str = "hidden_states"
+    op: str = ""
     heads: bool = False
     copy: bool = False
     unflatten: bool = False
@@ -47,11 +53,13 @@ class At:
             raise ValueError(f"side must be 'input' or 'output', not {self.side!r}")
 
     def describe(self) -> str:
-        where = self.path or "<block>"
+        text = self.path or "<block>"
+        if self.op:
+            text += ".source." + ".source.".join(self.op.split("."))
         if self.side == "output":
-            text = f"{where}.output"
+            text += ".output" + (f"[{self.index}]" if self.index else "")
         else:
-            text = f"{where}.input"
+            text += ".input" + (f"[{self.arg}]" if self.arg else "")
         if self.heads:
             text += " (viewed per head)"
         if self.unflatten:
@@ -62,17 +70,19 @@ class At:
             text += " (a copy: the model later changes this tensor in place)"
         return text
 
-    # -- the module and the event it fires ------------------------------------------
-    def module(self, block: nn.Module) -> nn.Module:
+    # -- the module and the envoy that serve it --------------------------------------------
+    def module(self, block: torch.nn.Module) -> torch.nn.Module:
         return block.get_submodule(self.path) if self.path else block
 
     def envoy(self, block_envoy):
         envoy = block_envoy
         for part in filter(None, self.path.split(".")):
             envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        for part in filter(None, self.op.split(".")):
+            envoy = getattr(envoy.source, part)
         return envoy
 
-    # -- reading and writing inside a trace -----------------------------------------
+    # -- reading and writing inside a trace -----------------------------------------------
     def _raw(self, envoy):
         if self.side == "output":
             out = envoy.output
@@ -82,7 +92,7 @@ class At:
 
     def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
         if self.unflatten:
-            shape = (*block_envoy._module._nnterp_leading_shape, shape[-1])
+            shape = (*leading_shape(block_envoy), shape[-1])
         if self.heads:  # [batch, seq, (groups,) width] -> [batch, seq, heads, head_dim]
             width = math.prod(shape[2:])
             shape = (*shape[:2], num_heads, width // num_heads)
@@ -116,6 +126,11 @@ class At:
                 f"'{key}' is {current.dtype}; the assigned tensor is {value.dtype}. "
                 f"Convert it first, e.g. value.to({current.dtype})."
             )
+        if value.device != current.device:
+            raise BadAssignment(
+                f"'{key}' is on {current.device}; the assigned tensor is on {value.device}. "
+                f"Move it first, e.g. value.to('{current.device}')."
+            )
         value = value.transpose(1, 2) if self.heads_first else value.reshape(current.shape)
         if self.side == "output":
             out = envoy.output
@@ -130,6 +145,24 @@ class At:
             else:
                 kwargs = {**kwargs, self.kwarg: value}
             envoy.inputs = (args, kwargs)
+
+
+def leading_shape(block_envoy) -> tuple[int, ...]:
+    """``[batch, seq]`` of the stream in this forward pass, read from the block's input once per pass.
+
+    Kept on nnsight's mediator (one per invoke and trace), per generation step, so later values
+    of the pass reuse it instead of asking for an input the model already ran past.
+    """
+    from nnsight.intervention.interleaver import Mediator
+
+    mediator = Mediator.current("the stream's [batch, seq]")
+    shapes = mediator.__dict__.setdefault("_nnterp_leading_shape", {})
+    step = mediator.iteration
+    if step not in shapes:
+        args, kwargs = block_envoy.inputs
+        hidden = args[0] if args else kwargs["hidden_states"]
+        shapes[step] = tuple(hidden.shape[:-1])
+    return shapes[step]
 
 
 @dataclass(frozen=True)
@@ -155,9 +188,3 @@ def output(path: str = "", index: int = 0, **view) -> At:
 
 def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", **view) -> At:  # noqa: A001
     return At(path, "input", arg=arg, kwarg=kwarg, **view)
-
-
-def record_leading_shape(block: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook: remember ``[batch, seq]`` of the block's input for ``unflatten`` views."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    block._nnterp_leading_shape = tuple(hidden.shape[:-1])

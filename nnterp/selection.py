@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .catalog import BY_NAME
+from .catalog import value_named
 
 
 def value_name(value: str) -> str:
     """``"mlp.mlp_output"`` or ``"mlp_output"`` -> ``"mlp_output"``; a clear error for an unknown value."""
-    name = value.rpartition(".")[2]
-    if name not in BY_NAME:
-        raise ValueError(f"Unknown standard value {value!r}. The values are: {', '.join(BY_NAME)}.")
-    return name
+    return value_named(value).name
 
 
 def layer_indices(model, layers: int | Iterable[int] | None) -> list[int]:

@@ -13,11 +13,11 @@ from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import attention
-from .catalog import BY_NAME, CATALOG
+from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
-from .locations import At, Unavailable, record_leading_shape
+from .locations import At, Unavailable, leading_shape
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,6 @@ def _architecture_of(config) -> type[PreTrainedModel]:
         ) from None
 
 
-ATTENTION_OFF = Unavailable(
-    "the values inside the attention are off: load with StandardizedTransformer(..., attention_values=True) "
-    "or call model.enable_attention_values() (it runs eager attention, slower than sdpa)"
-)
-
-
 class StandardizedTransformer(TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
@@ -85,8 +79,13 @@ class StandardizedTransformer(TransformersModel):
     trusted, once per architecture and config shape; it raises ``ValidationError`` if it fails.
 
     ``attention_values=True`` serves the values inside the attention (queries, keys, values,
-    scores, probabilities) by running nnterp's eager attention implementation instead of the
-    model's (sdpa by default); ``enable_attention_values()`` does it later.
+    scores, probabilities) by running transformers' eager attention instead of the model's (sdpa
+    by default) and reading them inside it; ``enable_attention_values()`` does it later.
+
+    Every value is read at a native module path of the unmodified model (or an operation inside
+    one), with pure tensor steps, so the same trace runs remotely: ``model.trace(..., remote=True)``
+    sends a request keyed as the plain ``TransformersModel`` of the checkpoint, which is what
+    NDIF hosts, and ships the standard names with it.
     """
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, tokenizer=None, *, validate: bool = True,
@@ -107,11 +106,10 @@ class StandardizedTransformer(TransformersModel):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         family = family_of(model.config, type(model).__name__)
         model.eval()  # nnsight does not; dropout would make every value random
-        layers = model.get_submodule(family.layers)
-        if isinstance(family.attention_internals, str):  # before wrapping, so the probes get envoys
-            attention.install_probes([block.get_submodule(family.attention) for block in layers],
-                                     family.attention_internals)
-        super().__init__(
+        # explicit base calls throughout: the class travels by value to remote servers, where a
+        # zero-argument super() has no __class__ cell
+        TransformersModel.__init__(
+            self,
             model,
             tokenizer=tokenizer,
             task="text-generation",
@@ -134,15 +132,15 @@ class StandardizedTransformer(TransformersModel):
             block._nnterp_slot = slot
             block.self_attn._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
-            if any(isinstance(loc, At) and loc.unflatten for loc in self._nnterp_blocks[i].values.values()):
-                block._module.register_forward_pre_hook(record_leading_shape, with_kwargs=True)
-        self._module_names = {module: name for name, module in model.named_modules()}
+        # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
+        self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
+                                    for block in self._nnterp_blocks for location in block.values.values())
         if validate and not validated:
             from .validation import validate as validate_spec
 
             validated = validate_spec(model.config, type(model), tokenizer)
         # from the validated miniature (same architecture, same names) when there is one
-        self._forward_events = validated or forward_events(model, isinstance(family.attention_internals, str))
+        self._forward_events = validated or forward_events(model)
         if attention_values:
             self.enable_attention_values()
 
@@ -195,12 +193,24 @@ class StandardizedTransformer(TransformersModel):
             logits = family.logits_transform(logits, self._module.config)
         return logits
 
+    # -- remote execution ---------------------------------------------------------------------
+    def _remoteable_class(self) -> type:
+        """Requests name the plain ``TransformersModel`` of the checkpoint: what remote servers host."""
+        return TransformersModel
+
+    def _remote_backend(self, remote, blocking, job_id, verbose):
+        """Ship nnterp's code with the request (by value): the server has only torch, transformers and nnsight."""
+        import nnsight
+
+        nnsight.register(__name__.partition(".")[0])
+        return TransformersModel._remote_backend(self, remote, blocking, job_id, verbose)
+
     # -- the values inside the attention -----------------------------------------------------
     def enable_attention_values(self) -> None:
-        """Serve queries, keys, values, scores and probabilities: run nnterp's eager attention (slower than sdpa)."""
-        if not isinstance(self.family.attention_internals, str):
-            raise ValueUnavailable("self_attn.attention_probabilities", self.family.name,
-                                   self.family.attention_internals.reason)
+        """Serve queries, keys, values, scores and probabilities: run transformers' eager attention (slower than sdpa)."""
+        where = self.family.attention_of(self._nnterp_text_config)
+        if isinstance(where, Unavailable):
+            raise ValueUnavailable("self_attn.attention_probabilities", self.family.name, where.reason)
         attention.set_implementation(self._module, attention.IMPLEMENTATION)
         self._nnterp_attention_on = True
         self._nnterp_blocks = self._with_attention_internals()
@@ -212,7 +222,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_blocks = self._with_attention_internals()
 
     def _with_attention_internals(self) -> tuple[Block, ...]:
-        where = attention.internal_locations(self.family, self._nnterp_attention_on)
+        where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
         return tuple(dataclasses.replace(block, values={**block.values, **where}) for block in self._nnterp_structure)
 
     def head_outputs(self, layer: int) -> torch.Tensor:
@@ -246,17 +256,36 @@ class StandardizedTransformer(TransformersModel):
             raise IndexError(f"Layer {layer} is out of range: the model has {self.num_layers} layers (0 to {self.num_layers - 1}).")
         return self._nnterp_blocks[layer]
 
-    def _location(self, layer: int, name: str) -> At:
-        location = self.block_spec(layer).resolve(name)
+    def block_path(self, layer: int, path: str = "") -> str:
+        """The native module name of ``path`` (relative to block ``layer``) in the HF model."""
+        return ".".join(filter(None, (self.family.layers, str(layer % self.num_layers), path)))
+
+    def location(self, layer: int, name: str) -> At:
+        """Where value ``name`` of block ``layer`` is read; ``ValueUnavailable`` where it has no meaning."""
+        value = value_named(name)
+        location = self.block_spec(layer).resolve(value.name)
         if isinstance(location, Unavailable):
-            raise ValueUnavailable(BY_NAME[name].key, self.family.name, location.reason)
+            raise ValueUnavailable(value.key, self.family.name, location.reason)
         return location
 
-    def _read_value(self, layer: int, name: str):
-        return self._location(layer, name).read(self.layers[layer], self.num_heads)
+    def read_value(self, layer: int, name: str) -> torch.Tensor:
+        """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
+        return self.read_at(layer, self.location(layer, name))
 
-    def _write_value(self, layer: int, name: str, value) -> None:
-        self._location(layer, name).write(self.layers[layer], value, self.num_heads, BY_NAME[name].key)
+    def read_at(self, layer: int, location: At) -> torch.Tensor:
+        """Inside a trace: the tensor at ``location`` of block ``layer``."""
+        block = self.layers[layer]
+        if self._nnterp_flattens:
+            leading_shape(block)
+        return location.read(block, self.num_heads)
+
+    def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
+        """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
+        location = self.location(layer, name)
+        block = self.layers[layer]
+        if self._nnterp_flattens:
+            leading_shape(block)
+        location.write(block, value, self.num_heads, value_named(name).key)
 
     def availability(self, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""
@@ -276,25 +305,29 @@ class StandardizedTransformer(TransformersModel):
         Read a block's values in this order within one trace: reading one after a later one
         raises nnsight's ``OutOfOrderError``.
         """
-        events = {key: event for event, key, _ in self._timeline(layer) if not key.startswith("extra.")}
+        events = {key: event for event, key, _ in self.timeline(layer) if not key.startswith("extra.")}
         ranks = {event: rank for rank, event in enumerate(sorted(set(events.values())))}
         return {key: ranks[event] for key, event in events.items()}
 
-    def _timeline(self, layer: int) -> list[tuple[int, str, At]]:
-        """(event index, key, location) of every available value and identity extra, in forward order."""
+    def timeline(self, layer: int) -> list[tuple[tuple[int, int], str, At]]:
+        """(event, key, location) of every available value and identity extra of a block, in forward order."""
         block = self.block_spec(layer)
-        module = self.layers[layer]._module
         located = [(value.key, block.resolve(value.name)) for value in CATALOG]
         located += [(f"extra.{name}", location) for name, location in block.extra.items()]
-        timeline = [
-            (self._event_index(location.module(module), location.side, key), key, location)
-            for key, location in located
-            if isinstance(location, At)
-        ]
+        timeline = [(self._event(layer, location, key), key, location)
+                    for key, location in located if isinstance(location, At)]
         return sorted(timeline, key=lambda item: item[0])
 
-    def _event_index(self, module: torch.nn.Module, side: str, key: str) -> int:
-        index = self._forward_events.get((self._module_names[module], side))
+    def _event(self, layer: int, location: At, key: str) -> tuple[int, int]:
+        """Where a location falls in the forward pass: its module event, then (inside that module's
+        forward) the rank of the value, for operations read through ``.source``."""
+        name = self.block_path(layer, location.path)
+        if location.op:  # inside the module's forward: after its input, in the catalog's order
+            return self._event_index(name, "input", key), 1 + BY_NAME[key.rpartition(".")[2]].rank
+        return self._event_index(name, location.side, key), 0
+
+    def _event_index(self, name: str, side: str, key: str) -> int:
+        index = self._forward_events.get((name, side))
         if index is None:
             raise NNterpError(
                 f"The module where '{key}' is read never ran in a forward pass of this {self.family.name} "
@@ -318,10 +351,10 @@ class ValueList:
         return self._model.num_layers
 
     def __getitem__(self, layer: int):
-        return self._model._read_value(layer, self._name)
+        return self._model.read_value(layer, self._name)
 
     def __setitem__(self, layer: int, value) -> None:
-        self._model._write_value(layer, self._name, value)
+        self._model.write_value(layer, self._name, value)
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -335,23 +368,12 @@ for _alias, _name in LEGACY_VALUE_LISTS.items():
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one
 
 
-def forward_events(model: torch.nn.Module, with_attention_probes: bool = False) -> dict[tuple[str, str], int]:
+def forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
     """The order module inputs and outputs fire in a forward pass (first call of each), by module name.
 
     The order depends on the architecture, not the weights: a small model runs two real tokens,
-    a large one runs on fake tensors (no compute, no memory). With the attention probes installed,
-    the pass runs nnterp's attention implementation so that their order is known too.
+    a large one runs on fake tensors (no compute, no memory).
     """
-    own = attention.implementation_of(model)
-    if with_attention_probes:
-        attention.set_implementation(model, attention.IMPLEMENTATION)
-    try:
-        return _forward_events(model)
-    finally:
-        attention.set_implementation(model, own)
-
-
-def _forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
     events: dict[tuple[str, str], int] = {}
 
     def recorder(name: str, side: str):

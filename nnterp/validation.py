@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import nnsight
 import torch
 
+from .attention import EagerAttention
 from .catalog import CATALOG
 from .embedded import cache_root
 from .errors import NNterpError
@@ -36,10 +37,10 @@ def read_blocks(model, inputs, names=None) -> list[dict[str, torch.Tensor]]:
     with torch.no_grad(), model.trace(inputs):
         read = nnsight.save([{} for _ in range(model.num_layers)])
         for i in range(model.num_layers):
-            for _, key, location in model._timeline(i):
+            for _, key, location in model.timeline(i):
                 name = key.rpartition(".")[2]
                 if names is None or key.startswith("extra.") or name in names:
-                    read[i][name] = location.read(model.layers[i], model.num_heads)
+                    read[i][name] = model.read_at(i, location)
     return read
 
 
@@ -194,7 +195,7 @@ def validate(config, architecture: type, tokenizer, use_cache: bool = True) -> d
     family = family_of(config, architecture.__name__)
     try:
         mini = StandardizedTransformer(build_miniature(config, architecture), tokenizer=tokenizer, validate=False,
-                                       attention_values=isinstance(family.attention_internals, str))
+                                       attention_values=isinstance(family.attention_of(config.get_text_config()), EagerAttention))
         problems = problems_of(mini)
     except NNterpError:
         raise

@@ -10,12 +10,13 @@ import torch
 
 from nnterp import StandardizedTransformer, ValueUnavailable
 from nnterp.families import BY_MODEL_TYPE
+from nnterp.locations import Unavailable
 
 from .conftest import build_tiny, tiny_tokenizer
 from .test_families import CASES, IDS
 
 SUPPORTED = [case for case, (config, *_) in CASES.items()
-             if isinstance(BY_MODEL_TYPE[config().model_type].attention_internals, str)]
+             if not isinstance(BY_MODEL_TYPE[config().model_type].attention_of(config().get_text_config()), Unavailable)]
 OWN = [case for case in CASES if case not in SUPPORTED]
 INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities", "attention_premix")
 

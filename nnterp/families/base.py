@@ -15,6 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..catalog import ATTENTION_INTERNALS, CATALOG
+from ..attention import STANDARD, WITH_SINKS, EagerAttention
 from ..locations import At, Location, SameAs, Unavailable, input, output
 
 Terms = dict[str, torch.Tensor]
@@ -69,17 +70,23 @@ class Family:
     tiny_config: Callable[[], PretrainedConfig]
     lm_head: str = "lm_head"
     check_config: Callable[[PretrainedConfig], None] = lambda config: None
-    # the readout after the last block: a module that collapses parallel streams before the final
-    # norm (DeepSeek-V4's hc_head), and what the model does to the head's output (softcapping, scales)
-    # how nnterp's attention implementation computes this family's attention ("standard" or "gpt2"),
-    # or why the values inside the attention are unavailable
-    attention_internals: str | Unavailable = "standard"
+    # where the model's eager attention computes queries, keys, scores and probabilities (``.source``
+    # operations), or why the values inside the attention are unavailable
+    # (or a function of the config giving either)
+    attention_internals: EagerAttention | Unavailable | Callable[[PretrainedConfig], EagerAttention | Unavailable] = STANDARD
     # why attention_premix is not attention_probabilities · values, where it is not (None: it is)
     premix_is_not_mixed_values: str | None = None
+    # the readout after the last block: a module that collapses parallel streams before the final
+    # norm (DeepSeek-V4's hc_head), and what the model does to the head's output (softcapping, scales)
     stream_readout: str | None = None
     # what a skipped block returns, given the stream and the block's envoy (None: the stream itself)
     skip_output: Callable | None = None
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+
+    def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
+        """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""
+        spec = self.attention_internals
+        return spec if isinstance(spec, (EagerAttention, Unavailable)) else spec(config)
 
     def rename(self) -> dict[str, str]:
         """nnsight aliases that give every family the same module names."""
@@ -204,4 +211,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "STANDARD", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

@@ -16,7 +16,7 @@ mixture (top-k or hash routing).
 import torch
 from transformers import DeepseekV4Config
 
-from .base import MODEL_LAYERS, ROUTED, Block, Family, input, output, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, input, output, pre_norm_block
 
 FORMULA = ("layer_mid = attn_post[..., None] * attention_output[..., None, :] + attn_comb^T @ layer_input; "
            "layer_output = ffn_post[..., None] * mlp_output[..., None, :] + ffn_comb^T @ layer_mid "
@@ -50,6 +50,7 @@ DEEPSEEK_V4 = Family(
     model_types=("deepseek_v4",),
     **MODEL_LAYERS,
     block=_block,
+    attention_internals=WITH_SINKS,
     stream_readout="model.hc_head",  # collapses the streams before the final norm
     premix_is_not_mixed_values="each head's mixed values are rotated back (conjugate RoPE) before the grouped "
                                "output projection, so attention_premix is the rotated mix",

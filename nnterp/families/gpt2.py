@@ -2,12 +2,16 @@
 
 from transformers import GPT2Config, GPTBigCodeConfig
 
-from .base import Family, pre_norm_block
+from .base import STANDARD, EagerAttention, Family, pre_norm_block
+
+# reorder_and_upcast_attn=True: the attention runs its own method instead of the attention interface
+UPCAST_AND_REORDERED = EagerAttention(call="self__upcast_and_reordered_attn_0", queries_arg=0,
+                                      probabilities="torch_matmul_0")
 
 GPT2 = Family(
     name="GPT-2",
-    attention_internals="gpt2",  # its eager softmax runs in the scores' dtype
     model_types=("gpt2",),
+    attention_internals=lambda config: UPCAST_AND_REORDERED if config.reorder_and_upcast_attn else STANDARD,
     layers="transformer.h",
     embed_tokens="transformer.wte",
     ln_final="transformer.ln_f",

@@ -12,7 +12,6 @@ from .base import Family, parallel_block
 def _gptj_like(name, model_type, tiny_config):
     return Family(
         name=name,
-        attention_internals="float32_scores",  # their eager attention computes the scores in float32
         model_types=(model_type,),
         layers="transformer.h",
         embed_tokens="transformer.wte",

@@ -9,7 +9,7 @@ first ``first_k_dense_replace`` layers, Qwen-MoE's ``mlp_only_layers`` and
 
 from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from .base import MODEL_LAYERS, ROUTED, Family, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, STANDARD, WITH_SINKS, Family, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -29,9 +29,10 @@ def _qwen_routed(config, i):
     return i not in (config.mlp_only_layers or []) and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
 
 
-def _moe(name, model_type, is_routed, tiny_config):
+def _moe(name, model_type, is_routed, tiny_config, attention_internals=STANDARD):
     return Family(
         name=name, model_types=(model_type,), **MODEL_LAYERS, block=_block(is_routed), tiny_config=tiny_config,
+        attention_internals=attention_internals,
     )
 
 
@@ -48,7 +49,7 @@ QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", _qwen_routed, lambda: Qwen3MoeConfig(
 OLMOE = _moe("OLMoE", "olmoe", _always, lambda: OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
 GPT_OSS = _moe("GPT-OSS", "gpt_oss", _always, lambda: GptOssConfig(
     **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"]), attention_internals=WITH_SINKS)
 DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", lambda config, i: i >= config.first_k_dense_replace,
                    lambda: DeepseekV3Config(
                        **{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
