@@ -25,14 +25,14 @@ MANIFEST = "manifest.json"
 
 def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[str] = ("layer_output",),
             layers=None, positions: str | int | Callable = "last", batch_size: int = 32,
-            dtype: torch.dtype | None = None, progress: bool = True) -> "Collection":
+            dtype: torch.dtype | None = None, progress: bool = True, remote: bool | str = False) -> "Collection":
     """Collect ``values`` at ``layers`` for every prompt into ``folder``.
 
     ``positions``: ``"last"`` (the last token, ``[prompts, layers, ...]``), an int index, ``"all"``
     (every real token, concatenated: ``[tokens, layers, ...]``, with ``Collection.offsets`` giving
     each prompt's rows), or a function ``(input_ids, attention_mask) -> bool mask [batch, seq]``
     (the selected tokens, concatenated like ``"all"``). Batches are left-padded; padding is never
-    collected.
+    collected. ``remote=True`` runs each batch on the remote model; only the selected rows travel back.
     """
     folder = Path(folder)
     names = [value_name(v) for v in values]
@@ -54,21 +54,34 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
         if start in done:
             continue
         batch = list(prompts[start:start + batch_size])
-        tensors = _collect_batch(model, batch, names, layers, positions, dtype)
+        tensors = _collect_batch(model, batch, names, layers, positions, dtype, remote)
         save_file(tensors, folder / f"batch-{start:09d}.safetensors")
         done.add(start)
         manifest.write_text(json.dumps({"settings": settings, "batches": sorted(done)}))  # after the shard: resumable
     return Collection(folder)
 
 
-def _collect_batch(model, batch, names, layers, positions, dtype) -> dict[str, torch.Tensor]:
+def _collect_batch(model, batch, names, layers, positions, dtype, remote=False) -> dict[str, torch.Tensor]:
     inputs = model.tokenizer(batch, return_tensors="pt", padding=True)  # tokenized once: the trace runs on it
-    with torch.no_grad(), model.trace(inputs):
-        read = nnsight.save({})
-        for layer in layers:
-            order = model.order(layer)
-            for name in sorted(names, key=lambda n: order[BY_NAME[n].key]):  # forward order within a block
+    select = _selection(inputs, positions)
+    order = [model.order(layer) for layer in layers]
+    with torch.no_grad(), model.trace(inputs, remote=remote):
+        read = {}
+        for layer, ranks in zip(layers, order):
+            for name in sorted(names, key=lambda n: ranks[BY_NAME[n].key]):  # forward order within a block
                 read[(name, layer)] = model.read_value(layer, name)
+        # the selection runs where the model does (remotely too): only the chosen rows come back
+        tensors = nnsight.save({})
+        for name in names:
+            stacked = torch.stack([read[(name, layer)] for layer in layers], dim=2)  # [batch, seq, layers, ...]
+            chosen = stacked[select.to(stacked.device)].detach().cpu()  # [tokens, layers, ...]
+            tensors[name] = (chosen.to(dtype) if dtype else chosen).contiguous()
+    tensors["_tokens_per_prompt"] = select.sum(dim=1).to(torch.int64)
+    return tensors
+
+
+def _selection(inputs, positions) -> torch.Tensor:
+    """``[batch, seq]`` bool: the tokens to collect, never padding."""
     mask = inputs.attention_mask.bool()
     if positions == "last":
         select = torch.zeros_like(mask)
@@ -84,13 +97,7 @@ def _collect_batch(model, batch, names, layers, positions, dtype) -> dict[str, t
         select = positions(inputs.input_ids, inputs.attention_mask).bool() & mask
     else:
         raise ValueError(f"positions is 'last', 'all', an int or a mask function, not {positions!r}.")
-    tensors = {}
-    for name in names:
-        stacked = torch.stack([read[(name, layer)] for layer in layers], dim=2)  # [batch, seq, layers, ...]
-        chosen = stacked[select.to(stacked.device)].detach().cpu()  # [tokens, layers, ...]
-        tensors[name] = (chosen.to(dtype) if dtype else chosen).contiguous()
-    tensors["_tokens_per_prompt"] = select.sum(dim=1).to(torch.int64)
-    return tensors
+    return select
 
 
 class Collection:
@@ -105,7 +112,10 @@ class Collection:
     def _shards(self) -> list[Path]:
         return sorted(self.folder.glob("batch-*.safetensors"))
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, value: str) -> torch.Tensor:
+        name = value_name(value)  # "mlp.mlp_output" and "mlp_output" name the same value
+        if name not in self.values:
+            raise KeyError(f"{value!r} was not collected here; this collection holds {', '.join(self.values)}.")
         return torch.cat([load_file(shard)[name] for shard in self._shards()])
 
     @property

@@ -43,7 +43,8 @@ def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", fac
 
 def steered_generate(model, prompts, vector: torch.Tensor, layers, *, value: str = "layer_output",
                      factor: float = 1.0, scope: str | range = "all", positions: Positions = None,
-                     batch: Positions = None, max_new_tokens: int = 20, **generate_kwargs) -> torch.Tensor:
+                     batch: Positions = None, max_new_tokens: int = 20, remote: bool | str = False,
+                     **generate_kwargs) -> torch.Tensor:
     """Generate with a steering vector added during an explicit ``scope`` of the generation.
 
     ``scope`` is ``"prompt"`` (the forward pass over the prompt only), ``"generated"`` (every
@@ -56,7 +57,8 @@ def steered_generate(model, prompts, vector: torch.Tensor, layers, *, value: str
     steps = _scope_steps(scope, max_new_tokens)
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs["min_new_tokens"] = max_new_tokens
-    with torch.no_grad(), model.generate(prompts, max_new_tokens=max_new_tokens, **generate_kwargs) as tracer:
+    with torch.no_grad(), model.generate(prompts, max_new_tokens=max_new_tokens, remote=remote,
+                                         **generate_kwargs) as tracer:
         for step in tracer.iter[0:max_new_tokens]:
             if step in steps:
                 add_to(model, layers, vector, value, factor, positions if step == 0 else None, batch)
@@ -103,8 +105,8 @@ def target_probability(token: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def activation_patching(model, clean: str, corrupted: str, metric: Callable[[torch.Tensor], torch.Tensor],
-                        value: str = "layer_output", layers=None, positions: Sequence[int] | None = None
-                        ) -> torch.Tensor:
+                        value: str = "layer_output", layers=None, positions: Sequence[int] | None = None,
+                        remote: bool | str = False) -> torch.Tensor:
     """Patch ``value`` from the clean run into the corrupted one, one (layer, position) at a time.
 
     Returns ``metric`` of the patched runs as a ``[layers, positions]`` tensor. The two prompts
@@ -118,12 +120,12 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
         raise ValueError(f"Activation patching needs prompts of one length: the clean prompt has "
                          f"{clean_ids.shape[1]} tokens, the corrupted one {corrupted_ids.shape[1]}.")
     positions = list(range(clean_ids.shape[1])) if positions is None else list(positions)
-    with torch.no_grad(), model.trace(clean_ids):
+    with torch.no_grad(), model.trace(clean_ids, remote=remote):
         sources = nnsight.save([model.read_value(layer, name) for layer in layers])
     effects = torch.empty(len(layers), len(positions))
     batch = corrupted_ids.repeat(len(positions), 1)
     for row, (layer, source) in enumerate(zip(layers, sources)):
-        with torch.no_grad(), model.trace(batch):
+        with torch.no_grad(), model.trace(batch, remote=remote):
             target = model.read_value(layer, name)
             for j, position in enumerate(positions):
                 target[j, position] = source[0, position]
@@ -135,17 +137,18 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
 # -- patchscopes ----------------------------------------------------------------------------------
 
 def patchscope_lens(model, source_prompts: str | Sequence[str], target_prompt: str, index_to_patch: int = -1,
-                    layers=None, value: str = "layer_output") -> torch.Tensor:
+                    layers=None, value: str = "layer_output", remote: bool | str = False) -> torch.Tensor:
     """Next-token probabilities of ``target_prompt`` with ``value`` at ``index_to_patch`` replaced, per layer,
     by the sources' last-token ``value`` at the same layer: ``[sources, layers, vocab]``."""
     name = value_name(value)
     sources = [source_prompts] if isinstance(source_prompts, str) else list(source_prompts)
     layers = layer_indices(model, layers)
-    with torch.no_grad(), model.trace(sources):
+    with torch.no_grad(), model.trace(sources, remote=remote):
         latents = nnsight.save([model.read_value(layer, name)[:, -1] for layer in layers])
     probs = []
     for layer, latent in zip(layers, latents):
-        with torch.no_grad(), model.trace([target_prompt] * len(sources)):
+        with torch.no_grad(), model.trace([target_prompt] * len(sources), remote=remote):
             model.read_value(layer, name)[:, index_to_patch] = latent
-            probs.append(nnsight.save(model.next_token_probs))
+            layer_probs = nnsight.save(model.next_token_probs)
+        probs.append(layer_probs)  # after the trace: a remote run returns saved values, not edited lists
     return torch.stack([p.float().cpu() for p in probs], dim=1)

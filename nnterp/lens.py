@@ -13,29 +13,30 @@ STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output",
 
 
 def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "layer_output",
-               position: int | None = -1) -> torch.Tensor:
+               position: int | None = -1, remote: bool | str = False) -> torch.Tensor:
     """Next-token probabilities from each layer's ``value``, through ``model.project_on_vocab``.
 
     Returns ``[prompts, layers, vocab]`` at ``position`` (the last token by default; prompts are
     left-padded), or ``[prompts, layers, seq, vocab]`` with ``position=None``. ``value`` is a
     ``[batch, seq, hidden]`` value: the stream (``layer_input``, ``layer_mid``, ``layer_output``)
     or a contribution (``attention_output``, ``mlp_output``). On the last layer's
-    ``layer_output`` the lens is the model's own next-token distribution.
+    ``layer_output`` the lens is the model's own next-token distribution. The readout runs inside
+    the trace, so ``remote=True`` runs the whole lens on the remote model.
     """
     name = value.rpartition(".")[2]
     if name not in STREAM_VALUES:
         raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     layers = layer_indices(model, layers)
-    with torch.no_grad():
-        with model.trace(prompts):
+    with torch.no_grad(), model.trace(prompts, remote=remote):
+        per_layer = []
+        for i in layers:
+            hidden = model.read_value(i, name)
             # [:, [position]] keeps the sequence dimension, which a stream readout (DeepSeek-V4) expects
-            hidden = nnsight.save([
-                model.read_value(i, name) if position is None else model.read_value(i, name)[:, [position]]
-                for i in layers
-            ])
-        probs = torch.stack([model.project_on_vocab(h).float().softmax(dim=-1) for h in hidden], dim=1).cpu()
-        return probs if position is None else probs[:, :, 0]
+            hidden = hidden if position is None else hidden[:, [position]]
+            per_layer.append(model.project_on_vocab(hidden).float().softmax(dim=-1).cpu())
+        probs = nnsight.save(torch.stack(per_layer, dim=1))
+    return probs if position is None else probs[:, :, 0]
 
 
 def top_tokens(model, probs: torch.Tensor, k: int = 5) -> list:

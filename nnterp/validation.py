@@ -32,9 +32,9 @@ class IdentityResult:
         return f"layer {self.layer}: {self.formula}: {status}"
 
 
-def read_blocks(model, inputs, names=None) -> list[dict[str, torch.Tensor]]:
+def read_blocks(model, inputs, names=None, remote: bool | str = False) -> list[dict[str, torch.Tensor]]:
     """One trace reading, per block and in forward order, the values named (all, with None) and the identity extras."""
-    with torch.no_grad(), model.trace(inputs):
+    with torch.no_grad(), model.trace(inputs, remote=remote):
         read = nnsight.save([{} for _ in range(model.num_layers)])
         for i in range(model.num_layers):
             for _, key, location in model.timeline(i):
@@ -46,17 +46,31 @@ def read_blocks(model, inputs, names=None) -> list[dict[str, torch.Tensor]]:
 
 def identity_of(model, layer: int, values: dict[str, torch.Tensor]) -> IdentityResult:
     """Recompute block ``layer``'s output from its values with the family's formula, and compare."""
-    block = model.block_spec(layer)
-    recomputed = block.combine(values, model.layers[layer]._module)
+    return IdentityResult(layer, model.block_spec(layer).formula, *_recompute(model, layer, values))
+
+
+def _recompute(model, layer: int, values: dict[str, torch.Tensor]) -> tuple[bool, float]:
+    """(exact, max |diff|): plain data, so it travels back from a remote run."""
+    recomputed = model.block_spec(layer).combine(values, model.layers[layer]._module)
     diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
-    return IdentityResult(layer, block.formula, torch.equal(recomputed, values["layer_output"]), diff)
+    return torch.equal(recomputed, values["layer_output"]), diff
 
 
-def check_identity(model, inputs=None) -> list[IdentityResult]:
-    """Read every block's values in forward order in one trace and recompute ``layer_output``."""
+def check_identity(model, inputs=None, remote: bool | str = False) -> list[IdentityResult]:
+    """Read every block's values in forward order in one trace and recompute ``layer_output``.
+
+    The recomputation runs inside the trace, with the block's own parameters where the formula
+    has them (a gate, a scalar), so it runs remotely too (``remote=True``).
+    """
     if inputs is None:
         inputs = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
-    return [identity_of(model, i, values) for i, values in enumerate(read_blocks(model, inputs, IDENTITY_TERMS))]
+    with torch.no_grad(), model.trace(inputs, remote=remote):
+        results = nnsight.save([])
+        for i in range(model.num_layers):
+            values = {key.rpartition(".")[2]: model.read_at(i, location) for _, key, location in model.timeline(i)
+                      if key.startswith("extra.") or key.rpartition(".")[2] in IDENTITY_TERMS}
+            results.append(_recompute(model, i, values))
+    return [IdentityResult(i, model.block_spec(i).formula, *result) for i, result in enumerate(results)]
 
 
 # -- validation at load, on a miniature of the config ------------------------------------

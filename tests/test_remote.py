@@ -1,0 +1,215 @@
+"""Remote execution without a server: every payload runs in another process where nnterp cannot be imported.
+
+``model.trace(..., remote=True)`` goes through nnsight's own remote path (model key, environment,
+``RequestModel.serialize`` after registering what ships by value); only the network hop is
+replaced: the payload goes to ``remote_server.py``, a separate process that builds a plain
+``TransformersModel`` from the request's model key, resolves every module id against *its own*
+module tree, runs the block and sends the saved values back. Each result is compared bit for bit
+with the same code run locally.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import nnsight
+import pytest
+import torch
+from nnsight.intervention.backends.remote import RemoteBackend
+from nnsight.modeling import huggingface
+
+from nnterp import (StandardizedTransformer, activation_patching, collect, logit_difference, logit_lens,
+                    patchscope_lens, steered_generate)
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.locations import Unavailable
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, tiny_tokenizer
+from .test_families import CASES, IDS
+
+SERVER = Path(__file__).with_name("remote_server.py")
+
+
+class RemoteFailure(Exception):
+    """The server could not run a payload."""
+
+
+class Server:
+    """One long-lived server process; requests and answers are pickles on its stdin and stdout."""
+
+    def __init__(self, log: Path):
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
+        self.log = log
+        self.process = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=log.open("wb"), env=env, cwd=SERVER.parent)
+
+    def run(self, request: dict, blob: bytes) -> dict:
+        pickle.dump({**request, "blob": blob}, self.process.stdin)
+        self.process.stdin.flush()
+        try:
+            answer = pickle.load(self.process.stdout)
+        except EOFError:
+            raise RemoteFailure(f"the server process died: {self.log.read_text()[-3000:]}") from None
+        if "error" in answer:
+            raise RemoteFailure(f"{answer['error']}\n{answer['traceback']}")
+        import io
+
+        return torch.load(io.BytesIO(answer["saves"]), weights_only=False)
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def requests(server, monkeypatch):
+    """``remote=True`` reaches the server process; the requests it sent are recorded."""
+    sent = []
+
+    def request(backend, request_model, tracer):
+        blob = backend._serialize(tracer)  # nnsight's own: registers what ships by value, then serializes
+        request = {"model_key": request_model.model_key, "env": request_model.env, "compress": request_model.compress}
+        sent.append({**request, "bytes": len(blob)})
+        return server.run(request, blob)
+
+    monkeypatch.setattr(RemoteBackend, "request", request)
+    return sent
+
+
+def saved_folder(case: str, root: Path) -> str:
+    """The case's tiny model as a checkpoint folder; its repo id is the folder (no hub lookup)."""
+    folder = root / case
+    if not folder.is_dir():
+        build_tiny(CASES[case][0]()).save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+    huggingface._ID_CACHE[str(folder)] = str(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+def load(case: str, root: Path) -> StandardizedTransformer:
+    config = CASES[case][0]()
+    internals = not isinstance(BY_MODEL_TYPE[config.model_type].attention_of(config.get_text_config()), Unavailable)
+    return StandardizedTransformer(saved_folder(case, root), attention_values=internals)
+
+
+def envoy_of(model, layer: int, key: str):
+    owner, _, name = key.rpartition(".")
+    block = model.layers[layer]
+    return (getattr(block, owner) if owner else block), name
+
+
+def read_everything(model, remote):
+    """Every available value of every block, by its standard name, in forward order, and the logits."""
+    with torch.no_grad(), model.trace(IDS, remote=remote):
+        saved = nnsight.save({})
+        for layer in range(model.num_layers):
+            for key in sorted(model.order(layer), key=model.order(layer).get):
+                envoy, name = envoy_of(model, layer, key)
+                saved[f"{layer}.{key}"] = getattr(envoy, name)
+        saved["logits"] = model.logits
+    return saved
+
+
+# views of a split (GPT-2's fused q/k/v projection) cannot be edited in place under autograd, which a
+# server may run with: those are assigned instead
+SPLIT_VIEWS = ("self_attn.queries", "self_attn.keys", "self_attn.values")
+
+
+def edit_everything(model, remote):
+    """Every available value of block 0 scaled in place, every value of block 1 assigned, then the logits.
+
+    With autograd on, as a trace runs by default (and as a server may run it).
+    """
+    with model.trace(IDS, remote=remote):
+        for layer, assign in ((0, False), (1, True)):
+            for key in sorted(model.order(layer), key=model.order(layer).get):
+                envoy, name = envoy_of(model, layer, key)
+                if assign or key in SPLIT_VIEWS:
+                    setattr(envoy, name, getattr(envoy, name) * 0.75)
+                else:
+                    getattr(envoy, name)[:] *= 1.25
+        logits = nnsight.save(model.logits.detach())
+    return logits
+
+
+def assert_same(local, remote):
+    assert type(local) is type(remote)
+    if isinstance(local, dict):
+        assert local.keys() == remote.keys()
+        for key in local:
+            assert torch.equal(local[key], remote[key]), key
+    else:
+        assert torch.equal(local, remote)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_value_and_edit_runs_remotely_bit_exactly(case, checkpoints, requests):
+    model = load(case, checkpoints)
+    assert_same(read_everything(model, False), read_everything(model, True))
+    assert_same(edit_everything(model, False), edit_everything(model, True))
+    assert requests and all(r["model_key"].startswith("nnsight.modeling.transformers.TransformersModel:")
+                            for r in requests)
+    if model.family.attention_of(model._nnterp_text_config) is not None and model._nnterp_attention_on:
+        assert all(r["env"]["attn_implementation"] == "eager" for r in requests)
+
+
+TOOL_CASES = ["gpt2", "llama", "opt", "gpt_oss", "falcon_7b_parallel", "gemma2", "deepseek_v4"]
+
+
+@pytest.mark.parametrize("case", TOOL_CASES)
+def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tmp_path):
+    model = load(case, checkpoints)
+    prompts = ["the cat sat on the mat", "Paris is in"]
+    assert_same(logit_lens(model, prompts), logit_lens(model, prompts, remote=True))
+    metric = logit_difference(5, 6)
+    assert_same(activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2]),
+                activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2], remote=True))
+    assert_same(patchscope_lens(model, prompts, "the cat is"), patchscope_lens(model, prompts, "the cat is", remote=True))
+    vector = torch.linspace(-1, 1, model.hidden_size)
+    assert_same(steered_generate(model, "the cat", vector, 1, factor=4.0, max_new_tokens=3),
+                steered_generate(model, "the cat", vector, 1, factor=4.0, max_new_tokens=3, remote=True))
+    values = ["layer_output", "mlp.mlp_output"]
+    here = collect(model, prompts * 3, tmp_path / "local", values, positions="all", batch_size=4, progress=False)
+    there = collect(model, prompts * 3, tmp_path / "remote", values, positions="all", batch_size=4, progress=False,
+                    remote=True)
+    for name in values:
+        assert torch.equal(here[name], there[name])
+    assert [(r.exact, r.max_abs_diff) for r in check_identity(model)] == \
+           [(r.exact, r.max_abs_diff) for r in check_identity(model, remote=True)]
+    if model._nnterp_attention_on and case != "deepseek_v4":
+        with torch.no_grad(), model.trace(IDS):
+            heads = nnsight.save(model.head_outputs(1))
+            model.scale_heads(1, [0, 2], 0.5)
+            logits = nnsight.save(model.logits)
+        with torch.no_grad(), model.trace(IDS, remote=True):
+            heads_remote = nnsight.save(model.head_outputs(1))
+            model.scale_heads(1, [0, 2], 0.5)
+            logits_remote = nnsight.save(model.logits)
+        assert torch.equal(heads, heads_remote) and torch.equal(logits, logits_remote)
+
+
+def test_a_module_the_server_lacks_fails_the_request(checkpoints, requests):
+    """The harness resolves module ids against the server's own tree: a client-side addition is refused."""
+    model = load("gpt2", checkpoints)
+    model._module.transformer.h[0].add_module("probe", torch.nn.Identity())
+    extra = StandardizedTransformer(model._module, tokenizer=model.tokenizer)
+    with pytest.raises(RemoteFailure, match="Module:model.transformer.h.0.probe"):
+        with extra.trace(IDS, remote=True):
+            nnsight.save(extra.layers[0].layer_output)
