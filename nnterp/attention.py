@@ -90,14 +90,16 @@ def head_outputs(model, layer: int) -> torch.Tensor:
     Their sum over heads, plus the projection's bias, is the projection's output (the attention's
     output before any norm after it). A computed tensor, not a live one: to ablate or scale a head,
     edit ``attention_premix`` (``scale_heads``). The projection's weight is read inside its own
-    forward (its input is the premix), so an offloaded weight is the real one, on its device.
+    forward, as the forward uses it, so an offloaded weight is the real one, on its device.
     """
     location = _output_projection(model, layer)
     envoy = location.envoy(model.layers[layer])
     premix = model.layers[layer].self_attn.attention_premix  # [batch, seq, heads, head_dim]
-    weight = envoy.weight
-    if type(envoy._module).__name__ == "Conv1D":  # GPT-2's projections store [in, out]
-        weight = weight.t()
+    # the weight as the projection's forward uses it: loaded and on its device even when offloaded
+    if type(envoy._module).__name__ == "Conv1D":  # GPT-2's projections: addmm(bias, x, weight [in, out])
+        weight = envoy.source.torch_addmm_0.inputs[0][2].t()
+    else:
+        weight = envoy.source.F_linear_0.inputs[0][1]
     heads, head_dim = premix.shape[-2], premix.shape[-1]
     if weight.shape[-1] != heads * head_dim:
         raise ValueUnavailable("self_attn.head_outputs", model.family.name,

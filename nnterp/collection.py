@@ -73,8 +73,9 @@ def _collect_batch(model, batch, names, layers, positions, dtype, remote=False) 
         # the selection runs where the model does (remotely too): only the chosen rows come back
         tensors = nnsight.save({})
         for name in names:
-            stacked = torch.stack([read[(name, layer)] for layer in layers], dim=2)  # [batch, seq, layers, ...]
-            chosen = stacked[select.to(stacked.device)].detach().cpu()  # [tokens, layers, ...]
+            # each layer's rows selected on its own device (a model split across devices), then gathered
+            chosen = torch.stack([read[(name, layer)][select.to(read[(name, layer)].device)].detach().cpu()
+                                  for layer in layers], dim=1)  # [tokens, layers, ...]
             tensors[name] = (chosen.to(dtype) if dtype else chosen).contiguous()
     tensors["_tokens_per_prompt"] = select.sum(dim=1).to(torch.int64)
     return tensors

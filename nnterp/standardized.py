@@ -35,10 +35,11 @@ class Availability:
         return self.location if self.available else f"unavailable: {self.reason}"
 
 
-def _load(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kwargs: dict):
-    """Config, tokenizer and validation first; the weights only once the spec is proven."""
+def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kwargs: dict):
+    """Config, tokenizer and validation, before any weight: (config, architecture, tokenizer, validated events)."""
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False))
+        config_kwargs = {key: value for key, value in from_pretrained_kwargs.items() if key in CONFIG_KWARGS}
+        config = AutoConfig.from_pretrained(name, **config_kwargs)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(name)
     except OSError as error:
@@ -54,7 +55,11 @@ def _load(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kw
         from .validation import validate as validate_spec
 
         events = validate_spec(config, architecture, tokenizer)
-    return architecture.from_pretrained(name, **from_pretrained_kwargs), tokenizer, events
+    return config, architecture, tokenizer, events
+
+
+# loading options that change the config (and so the architecture that is validated)
+CONFIG_KWARGS = ("trust_remote_code", "revision", "attn_implementation")
 
 
 def _architecture_of(config) -> type[PreTrainedModel]:
@@ -89,23 +94,35 @@ class StandardizedTransformer(TransformersModel):
     """
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, tokenizer=None, *, validate: bool = True,
-                 attention_values: bool = False, **from_pretrained_kwargs):
+                 attention_values: bool = False, dispatch: bool = True, **from_pretrained_kwargs):
         validated = None  # the forward events of the validated miniature
+        lazy = isinstance(model, (str, os.PathLike)) and not dispatch
         if isinstance(model, (str, os.PathLike)):
-            model, tokenizer, validated = _load(model, tokenizer, validate, from_pretrained_kwargs)
+            if attention_values:
+                from_pretrained_kwargs.setdefault("attn_implementation", attention.IMPLEMENTATION)
+            config, architecture, tokenizer, validated = _prepare(model, tokenizer, validate, from_pretrained_kwargs)
+            if not lazy:
+                model = architecture.from_pretrained(model, **from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
                 "the model is given by name or folder. Build the model with them, then wrap it."
             )
-        if not isinstance(model, PreTrainedModel):
+        elif not isinstance(model, PreTrainedModel):
             raise TypeError(f"Expected a model name, a folder or a transformers PreTrainedModel, got {type(model).__name__}.")
+        elif any(parameter.device.type == "meta" for parameter in model.parameters()):
+            raise ValueError(
+                "This model's weights are on the meta device (no weights), so it cannot be wrapped: nothing could load "
+                "them. Load it by name or folder with StandardizedTransformer(name, dispatch=False) to build it "
+                "without weights and load them on first use."
+            )
         if tokenizer is None:
             raise ValueError("A model object needs its tokenizer: StandardizedTransformer(model, tokenizer=tok).")
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        family = family_of(model.config, type(model).__name__)
-        model.eval()  # nnsight does not; dropout would make every value random
+        family = family_of(config, architecture.__name__) if lazy else family_of(model.config, type(model).__name__)
+        if not lazy:
+            model.eval()  # nnsight does not; dropout would make every value random
         # explicit base calls throughout: the class travels by value to remote servers, where a
         # zero-argument super() has no __class__ cell
         TransformersModel.__init__(
@@ -120,7 +137,9 @@ class StandardizedTransformer(TransformersModel):
                 f"{family.layers}.*.{family.attention}": AttentionEnvoy,
                 **({f"{family.layers}.*.{family.mlp}": MLPEnvoy} if family.mlp else {}),
             },
+            **({"dispatch": False, **from_pretrained_kwargs} if lazy else {}),
         )
+        model = self._module  # lazy: the weightless model that stands in until the first trace
         self._nnterp_family = family
         self._nnterp_text_config = model.config.get_text_config()
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
@@ -192,6 +211,15 @@ class StandardizedTransformer(TransformersModel):
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits
+
+    def dispatch(self) -> None:
+        """Load the weights of a model built with ``dispatch=False`` (the first trace does it too)."""
+        if self.dispatched:
+            return
+        TransformersModel.dispatch(self)
+        self._module.eval()
+        if self._nnterp_attention_on:
+            attention.set_implementation(self._module, attention.IMPLEMENTATION)
 
     # -- remote execution ---------------------------------------------------------------------
     def _remoteable_class(self) -> type:
