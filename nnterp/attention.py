@@ -94,12 +94,18 @@ def head_outputs(model, layer: int) -> torch.Tensor:
     """
     location = _output_projection(model, layer)
     envoy = location.envoy(model.layers[layer])
+    conv1d = type(envoy._module).__name__ == "Conv1D"  # GPT-2's projections: addmm(bias, x, weight [in, out])
+    offloaded = envoy._module.weight.device.type == "meta"
+    # an offloaded weight exists only while the projection runs: read it as the forward uses it (its
+    # operations instrumented before it runs). Then nothing of this block earlier than that is readable.
+    operations = envoy.source if offloaded else None
     premix = model.layers[layer].self_attn.attention_premix  # [batch, seq, heads, head_dim]
-    # the weight as the projection's forward uses it: loaded and on its device even when offloaded
-    if type(envoy._module).__name__ == "Conv1D":  # GPT-2's projections: addmm(bias, x, weight [in, out])
-        weight = envoy.source.torch_addmm_0.inputs[0][2].t()
+    if offloaded:
+        weight = operations.torch_addmm_0.inputs[0][2] if conv1d else operations.F_linear_0.inputs[0][1]
     else:
-        weight = envoy.source.F_linear_0.inputs[0][1]
+        weight = envoy._module.weight
+    if conv1d:
+        weight = weight.t()
     heads, head_dim = premix.shape[-2], premix.shape[-1]
     if weight.shape[-1] != heads * head_dim:
         raise ValueUnavailable("self_attn.head_outputs", model.family.name,
