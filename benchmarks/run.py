@@ -40,8 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import tiny_tokenizer  # noqa: E402
 
 from nnterp import StandardizedTransformer  # noqa: E402
-from nnterp.catalog import CATALOG  # noqa: E402
-from nnterp.locations import At  # noqa: E402
 
 torch.set_num_threads(1)
 BATCH, SEQ = 8, 128

@@ -1,15 +1,24 @@
 """nnterp: the same names and values on every decoder family, as live nnsight tensors."""
 
 from .catalog import CATALOG, Value
-from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
-from .standardized import Availability, StandardizedTransformer
 from .collection import Collection, collect
-from .interventions import (activation_patching, add_to, logit_difference, patchscope_lens, skip_layers,
-                            steered_generate, target_probability)
+from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
+from .interventions import (
+                            activation_patching,
+                            add_to,
+                            logit_difference,
+                            patchscope_lens,
+                            skip_layers,
+                            steered_generate,
+                            target_probability,
+)
 from .lens import logit_lens, top_tokens
 from .prompts import Prompt, first_tokens, run_prompts
+from .standardized import Availability, StandardizedTransformer
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "CATALOG",
     "Collection",
     "Prompt",
@@ -34,4 +43,3 @@ __all__ = [
     "Value",
     "ValueUnavailable",
 ]
-__version__ = "0.1.0"

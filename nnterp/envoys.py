@@ -1,8 +1,9 @@
-"""Envoy classes that expose the catalog as properties of blocks, attentions and MLPs.
+"""Envoy classes that expose the catalog's values as declared attributes of blocks, attentions and MLPs.
 
-The properties are generated from the catalog: one per value, on the envoy of its
-owner. Each envoy carries a ``_nnterp_slot`` (the model and the block index) set by
-``StandardizedTransformer`` once the tree is built.
+Each value is a ``StandardValue`` descriptor, declared below so that editors and type checkers
+see it; a test checks that the declarations are exactly the catalog's. Each envoy carries a
+``_nnterp_slot`` (the model and the block index) set by ``StandardizedTransformer``, and a value
+is read or written through the model's engine (``read_value`` / ``write_value``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from nnsight import Envoy
 
-from .catalog import Value, values_of
+from .catalog import BY_NAME
 
 if TYPE_CHECKING:
     from .standardized import StandardizedTransformer
@@ -20,44 +22,80 @@ if TYPE_CHECKING:
 
 @dataclass
 class Slot:
-    model: "StandardizedTransformer"
+    model: StandardizedTransformer
     layer: int
 
 
-def _property(value: Value) -> property:
-    def fget(self):
-        return self._nnterp_slot.model.read_value(self._nnterp_slot.layer, value.name)
+class StandardValue:
+    """A standard value of the block: read it, edit it in place, or assign it, inside a trace."""
 
-    def fset(self, new):
-        self._nnterp_slot.model.write_value(self._nnterp_slot.layer, value.name, new)
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"{BY_NAME[name].meaning}, {BY_NAME[name].shape}."
 
-    return property(fget, fset, doc=f"{value.meaning}, {value.shape}.")
+    def __get__(self, envoy, owner=None) -> torch.Tensor:
+        if envoy is None:
+            return self
+        slot = envoy._nnterp_slot
+        return slot.model.read_value(slot.layer, self.name)
+
+    def __set__(self, envoy, value: torch.Tensor) -> None:
+        slot = envoy._nnterp_slot
+        slot.model.write_value(slot.layer, self.name, value)
+
+
+def standard_values(envoy_class: type) -> set[str]:
+    return {name for klass in envoy_class.__mro__ for name, attribute in vars(klass).items()
+            if isinstance(attribute, StandardValue)}
 
 
 class StandardEnvoy(Envoy):
-    _nnterp_owners: tuple[str, ...] = ()
-
     def __getattr__(self, name: str) -> Any:
-        # A property that raised AttributeError (an unavailable value) lands here; raise
-        # the value's own error rather than nnsight's generic "has no attribute".
+        # A value that raised AttributeError (an unavailable value) lands here; raise the value's
+        # own error rather than nnsight's generic "has no attribute".
         slot = self.__dict__.get("_nnterp_slot")
-        if slot is not None and name in {v.name for owner in self._nnterp_owners for v in values_of(owner)}:
+        if slot is not None and name in standard_values(type(self)):
             return slot.model.read_value(slot.layer, name)
         return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
 
 
-def _envoy_class(class_name: str, *owners: str, **extra) -> type[StandardEnvoy]:
-    namespace = {v.name: _property(v) for owner in owners for v in values_of(owner)}
-    namespace["_nnterp_owners"] = owners
-    namespace["__doc__"] = f"Envoy of a {' and '.join(owners)}, with the standard values as properties."
-    return type(class_name, (StandardEnvoy,), {**namespace, **extra})
+class BlockEnvoy(StandardEnvoy):
+    """A block, with the stream and the values between its sublayers."""
+
+    layer_input = StandardValue()
+    attention_norm_output = StandardValue()
+    layer_mid = StandardValue()
+    mlp_norm_output = StandardValue()
+    mlp_input = StandardValue()
+    layer_output = StandardValue()
 
 
-BlockEnvoy = _envoy_class("BlockEnvoy", "block")
-AttentionEnvoy = _envoy_class("AttentionEnvoy", "self_attn")
-MLPEnvoy = _envoy_class("MLPEnvoy", "mlp")
-# A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block.
-BlockWithMLPEnvoy = _envoy_class("BlockWithMLPEnvoy", "block", "mlp", mlp=property(lambda self: self))
+class AttentionEnvoy(StandardEnvoy):
+    """A block's attention, with the values inside it."""
+
+    queries = StandardValue()
+    keys = StandardValue()
+    values = StandardValue()
+    attention_scores = StandardValue()
+    attention_probabilities = StandardValue()
+    attention_premix = StandardValue()
+    attention_output = StandardValue()
+
+
+class MLPEnvoy(StandardEnvoy):
+    """A block's MLP, with the values inside it."""
+
+    mlp_activation = StandardValue()
+    mlp_neurons = StandardValue()
+    mlp_output = StandardValue()
+
+
+class BlockWithMLPEnvoy(BlockEnvoy, MLPEnvoy):
+    """A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block."""
+
+    @property
+    def mlp(self) -> BlockWithMLPEnvoy:
+        return self
 
 
 class LayersEnvoy(Envoy):

@@ -6,40 +6,16 @@ the catalog by name), so it means the same thing on every family.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import nnsight
 import torch
 
+from .edits import Positions, add_to, skip_layers  # noqa: F401  (add_to, skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
 from .selection import layer_indices, value_name
 
-Positions = int | slice | Sequence[int] | torch.Tensor | None
-
-
 # -- steering -------------------------------------------------------------------------------------
-
-def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", factor: float = 1.0,
-           positions: Positions = None, batch: Positions = None) -> None:
-    """Inside a trace: add ``factor * vector`` in place to ``value`` at ``layers``, ``positions`` and ``batch`` rows.
-
-    ``vector`` has the value's last dimension (``hidden_size`` for the stream and the contributions).
-    ``positions`` and ``batch`` index the sequence and batch dimensions (``None``: all).
-    """
-    name = value_name(value)
-    for layer in layer_indices(model, layers):
-        tensor = model.read_value(layer, name)
-        if vector.shape[-1] != tensor.shape[-1]:
-            raise ValueError(f"The steering vector has {vector.shape[-1]} features; '{value}' has {tensor.shape[-1]}.")
-        rows = slice(None) if batch is None else batch
-        columns = slice(None) if positions is None else positions
-        delta = (factor * vector).to(device=tensor.device, dtype=tensor.dtype)
-        if isinstance(rows, slice) or isinstance(columns, slice):
-            tensor[rows, columns] += delta
-        else:  # two index lists: select rows, then positions
-            for row in torch.as_tensor(rows).reshape(-1).tolist():
-                tensor[row, columns] += delta
-
 
 def steered_generate(model, prompts, vector: torch.Tensor, layers, *, value: str = "layer_output",
                      factor: float = 1.0, scope: str | range = "all", positions: Positions = None,
@@ -74,22 +50,6 @@ def _scope_steps(scope: str | range, max_new_tokens: int) -> set[int]:
     if scope not in named:
         raise ValueError(f"scope is 'prompt', 'generated', 'all' or a range of steps, not {scope!r}.")
     return set(named[scope])
-
-
-# -- skipping -------------------------------------------------------------------------------------
-
-def skip_layers(model, start: int, end: int | None = None) -> None:
-    """Inside a trace: make blocks ``start`` to ``end`` (inclusive) identities on the stream.
-
-    Block ``end + 1`` receives block ``start``'s input. Works on families whose blocks return a
-    tuple: the skipped block hands on the stream in the tuple the next block expects.
-    """
-    end = start if end is None else end
-    layers = layer_indices(model, range(start, end + 1))
-    stream = model.layers[layers[0]].layer_input
-    for layer in layers:
-        block = model.layers[layer]
-        block.skip(model.family.skip_output(stream, block) if model.family.skip_output else stream)
 
 
 # -- activation patching ---------------------------------------------------------------------------

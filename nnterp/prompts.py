@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -38,7 +38,7 @@ class Prompt:
     target_words: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def from_strings(cls, text: str, targets: dict[str, str | Sequence[str]], tokenizer) -> "Prompt":
+    def from_strings(cls, text: str, targets: dict[str, str | Sequence[str]], tokenizer) -> Prompt:
         """``targets`` maps a category to a word or words; each word counts with and without a leading space."""
         words = {k: [v] if isinstance(v, str) else list(v) for k, v in targets.items()}
         ids = {k: sorted({t for w in ws for t in first_tokens(tokenizer, w)}) for k, ws in words.items()}

@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from nnsight.modeling.transformers import TransformersModel
+from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from . import attention
+from . import attention, edits, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
@@ -52,9 +52,7 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
     family_of(config, architecture.__name__)
     events = None
     if validate:
-        from .validation import validate as validate_spec
-
-        events = validate_spec(config, architecture, tokenizer)
+        events = proof.validate(config, architecture, tokenizer, StandardizedTransformer)
     return config, architecture, tokenizer, events
 
 
@@ -155,9 +153,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
                                     for block in self._nnterp_blocks for location in block.values.values())
         if validate and not validated:
-            from .validation import validate as validate_spec
-
-            validated = validate_spec(model.config, type(model), tokenizer)
+            validated = proof.validate(model.config, type(model), tokenizer, StandardizedTransformer)
         # from the validated miniature (same architecture, same names) when there is one
         self._forward_events = validated or forward_events(model)
         if attention_values:
@@ -265,15 +261,11 @@ class StandardizedTransformer(TransformersModel):
     def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, token_positions=None,
               batch_index=None, value: str = "layer_output") -> None:
         """Inside a trace: add ``factor * steering_vector`` to ``value`` at ``layers`` (see ``interventions.add_to``)."""
-        from .interventions import add_to
-
-        add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
+        edits.add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
 
     def skip_layers(self, start: int, end: int | None = None) -> None:
         """Inside a trace: blocks ``start`` to ``end`` (inclusive) pass the stream through unchanged."""
-        from .interventions import skip_layers
-
-        skip_layers(self, start, end)
+        edits.skip_layers(self, start, end)
 
     def skip_layer(self, layer: int) -> None:
         self.skip_layers(layer, layer)

@@ -1,232 +1,34 @@
-"""The residual identity, checked per block on the values the family spec places."""
+"""The residual identity, checked per block, and the proof of a family spec on a miniature of a config.
+
+``check_identity(model)`` recomputes every block's output from its values with the family's formula;
+``validate(config, architecture, tokenizer)`` proves a family spec before any weight is loaded (what
+loading does by default). The work is done in ``nnterp.proof``, part of the core.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
-
-import nnsight
-import torch
-
-from .attention import EagerAttention
-from .catalog import CATALOG
-from .embedded import cache_root
-from .errors import NNterpError
-from .families.base import SEQUENTIAL
-from .miniature import miniature_config
-
-
-IDENTITY_TERMS = ("layer_input", "attention_output", "mlp_output", "layer_output")
-
-
-@dataclass(frozen=True)
-class IdentityResult:
-    layer: int
-    formula: str
-    exact: bool  # the family's formula, in the code's order of addition, gives layer_output bit for bit
-    max_abs_diff: float
-
-    def __str__(self) -> str:
-        status = "exact" if self.exact else f"MISMATCH (max |diff| {self.max_abs_diff:.3g})"
-        return f"layer {self.layer}: {self.formula}: {status}"
-
-
-def read_blocks(model, inputs, names=None, remote: bool | str = False) -> list[dict[str, torch.Tensor]]:
-    """One trace reading, per block and in forward order, the values named (all, with None) and the identity extras."""
-    with torch.no_grad(), model.trace(inputs, remote=remote):
-        read = nnsight.save([{} for _ in range(model.num_layers)])
-        for i in range(model.num_layers):
-            for _, key, location in model.timeline(i):
-                name = key.rpartition(".")[2]
-                if names is None or key.startswith("extra.") or name in names:
-                    read[i][name] = model.read_at(i, location)
-    return read
-
-
-def identity_of(model, layer: int, values: dict[str, torch.Tensor]) -> IdentityResult:
-    """Recompute block ``layer``'s output from its values with the family's formula, and compare."""
-    return IdentityResult(layer, model.block_spec(layer).formula, *_recompute(model, layer, values))
-
-
-def _recompute(model, layer: int, values: dict[str, torch.Tensor]) -> tuple[bool, float]:
-    """(exact, max |diff|): plain data, so it travels back from a remote run."""
-    recomputed = model.block_spec(layer).combine(values, model.layers[layer]._module)
-    diff = (recomputed.float() - values["layer_output"].float()).abs().max().item()
-    return torch.equal(recomputed, values["layer_output"]), diff
-
-
-def check_identity(model, inputs=None, remote: bool | str = False) -> list[IdentityResult]:
-    """Read every block's values in forward order in one trace and recompute ``layer_output``.
-
-    The recomputation runs inside the trace, with the block's own parameters where the formula
-    has them (a gate, a scalar), so it runs remotely too (``remote=True``).
-    """
-    if inputs is None:
-        inputs = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
-    with torch.no_grad(), model.trace(inputs, remote=remote):
-        results = nnsight.save([])
-        for i in range(model.num_layers):
-            values = {key.rpartition(".")[2]: model.read_at(i, location) for _, key, location in model.timeline(i)
-                      if key.startswith("extra.") or key.rpartition(".")[2] in IDENTITY_TERMS}
-            results.append(_recompute(model, i, values))
-    return [IdentityResult(i, model.block_spec(i).formula, *result) for i, result in enumerate(results)]
-
-
-# -- validation at load, on a miniature of the config ------------------------------------
-
-class ValidationError(NNterpError):
-    """The family spec does not hold on this model's architecture."""
-
-
-def _expected_dims(model, name: str) -> tuple[int | None, ...]:
-    """The shape a value must have for the validation input ``[1, SEQ]`` (None: any size)."""
-    hidden = model.hidden_size
-    if name == "attention_premix":
-        return (1, SEQ, model.num_heads, None)
-    if name in ("mlp_activation", "mlp_neurons"):
-        return (1, SEQ, None)
-    if name == "queries":
-        return (1, SEQ, model.num_heads, None)
-    if name in ("keys", "values"):
-        return (1, SEQ, None, None)
-    if name in ("attention_scores", "attention_probabilities"):
-        return (1, model.num_heads, SEQ, None)
-    return (1, SEQ, hidden)  # the stream may also be [1, SEQ, streams, hidden]: see _shape_problem
-
-
-def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
-    expected = _expected_dims(model, name)
-    if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 4:
-        expected = (1, SEQ, None, model.hidden_size)  # parallel streams
-    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
-        readable = ["*" if e is None else e for e in expected]
-        return f"has shape {list(shape)}, expected {readable}"
-    return None
-
-
-SEQ = 5
-CACHE_FORMAT = 2  # bump when what a validation records changes (2: the attention probes' events)
-_VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
-
-
-def validation_key(config, architecture: type) -> str:
-    """(architecture, miniature config, family spec, library versions): what a validation result depends on."""
-    import nnsight as _nnsight
-    import transformers
-
-    from . import __version__
-
-    from .families import family_of
-
-    text_config = config.get_text_config()
-    family = family_of(config, architecture.__name__)
-    spec = [(sorted(map(repr, block.values.items())), repr(block.extra), block.formula)
-            for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
-    text = json.dumps([CACHE_FORMAT, architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
-                       repr(spec), repr(family.attention_internals), torch.__version__, transformers.__version__,
-                       _nnsight.__version__, __version__])
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def build_miniature(config, architecture: type):
-    """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
-    mini_config = miniature_config(config)
-    mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
-    generator = torch.Generator().manual_seed(0)
-    with torch.device("cpu"):
-        mini = architecture._from_config(mini_config, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in mini.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-        for name, buffer in mini.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.fill_(0.7)
-    return mini.eval()
-
-
-def problems_of(model) -> list[str]:
-    """Every way the family spec fails on ``model``: shapes of the values, and the identity."""
-    problems = []
-    ids = torch.arange(1, SEQ + 1).remainder(model.vocab_size).unsqueeze(0)
-    for i, values in enumerate(read_blocks(model, ids)):
-        for value in CATALOG:
-            if value.name in values:
-                problem = _shape_problem(model, value.name, tuple(values[value.name].shape))
-                if problem:
-                    problems.append(f"layer {i}: '{value.key}' {problem}")
-        if problems:
-            continue
-        if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
-            problems += _attention_problems(i, values)
-        result = identity_of(model, i, values)
-        if not result.exact:
-            problems.append(f"layer {i}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
-                            + _suspects(model.block_spec(i), values))
-    return problems
-
-
-def _attention_problems(layer: int, values) -> list[str]:
-    """The attention internals must compose to the heads' outputs: probabilities · values == attention_premix."""
-    probabilities, v = values["attention_probabilities"], values["values"].transpose(1, 2)  # [b, kv_heads, k, d]
-    groups = probabilities.shape[1] // v.shape[1]
-    mixed = torch.matmul(probabilities, v.repeat_interleave(groups, dim=1)[:, :, : probabilities.shape[-1]])
-    premix = values["attention_premix"]
-    if mixed.transpose(1, 2).shape != premix.shape or not torch.allclose(mixed.transpose(1, 2), premix, atol=1e-5):
-        return [f"layer {layer}: attention_probabilities · values != 'self_attn.attention_premix'"]
-    return []
-
-
-def _suspects(block, values) -> str:
-    """Which values a failed identity points at, from the attention half where it can be checked alone."""
-    x, a, mid = values["layer_input"], values["attention_output"], values.get("layer_mid")
-    if mid is None or block.formula != SEQUENTIAL:
-        return "one of 'layer_input', 'self_attn.attention_output', 'mlp.mlp_output', 'layer_output' is misplaced"
-    if torch.equal(mid, x + a):
-        return "layer_mid == layer_input + attention_output holds, so 'mlp.mlp_output' or 'layer_output' is misplaced"
-    return "layer_mid != layer_input + attention_output, so 'self_attn.attention_output', 'layer_input' or 'layer_mid' is misplaced"
+from . import proof
+from .proof import (
+    IDENTITY_TERMS,
+    IdentityResult,
+    ValidationError,
+    build_miniature,
+    check_identity,
+    identity_of,
+    problems_of,
+    read_blocks,
+    validation_key,
+)
+from .standardized import StandardizedTransformer
 
 
 def validate(config, architecture: type, tokenizer, use_cache: bool = True) -> dict[tuple[str, str], int]:
     """Prove the family spec of ``architecture`` with ``config`` on a miniature; raise ``ValidationError`` if it fails.
 
-    No weight is read or allocated at the real size: the miniature has the same classes and
-    options with tiny sizes. Results are cached per (architecture, config shape, library
-    versions), in memory and in the cache folder.
+    Returns the order module inputs and outputs fire in (by module name), which ``order(i)`` uses.
     """
-    key = validation_key(config, architecture)
-    marker = cache_root() / "validated" / f"{key}.json"
-    if use_cache and key not in _VALIDATED and marker.is_file():
-        try:
-            _VALIDATED[key] = {(name, side): i for i, (name, side) in enumerate(json.loads(marker.read_text())["events"])}
-        except (OSError, ValueError, KeyError):
-            pass  # an unreadable marker: validate again
-    if use_cache and key in _VALIDATED:
-        return _VALIDATED[key]
-    from .families import family_of
-    from .standardized import StandardizedTransformer
+    return proof.validate(config, architecture, tokenizer, StandardizedTransformer, use_cache)
 
-    family = family_of(config, architecture.__name__)
-    try:
-        mini = StandardizedTransformer(build_miniature(config, architecture), tokenizer=tokenizer, validate=False,
-                                       attention_values=isinstance(family.attention_of(config.get_text_config()), EagerAttention))
-        problems = problems_of(mini)
-    except NNterpError:
-        raise
-    except Exception as error:  # noqa: BLE001 - any failure here means the spec is not proven
-        problems = [f"the miniature could not be traced: {type(error).__name__}: {error}"]
-    if problems:
-        raise ValidationError(
-            f"The {family.name} spec does not hold on {architecture.__name__} "
-            f"(checked on a miniature of its config):\n  " + "\n  ".join(problems) +
-            "\nThe standard values would be wrong on this model. Please report it with the model's config; "
-            "StandardizedTransformer(..., validate=False) skips this check at your own risk."
-        )
-    _VALIDATED[key] = events = mini._forward_events
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"architecture": architecture.__name__, "family": family.name,
-                                      "events": sorted(events, key=events.get)}))
-    except OSError:
-        pass  # a read-only cache only costs a re-validation next time
-    return events
+
+__all__ = ["IDENTITY_TERMS", "IdentityResult", "ValidationError", "build_miniature", "check_identity", "identity_of",
+           "problems_of", "read_blocks", "validate", "validation_key"]

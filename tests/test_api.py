@@ -185,3 +185,13 @@ def test_thousands_of_traces_keep_memory_flat(llama):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run(2000)
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 50  # MiB
+
+
+def test_envoys_declare_exactly_the_catalog():
+    """The values an editor completes are the catalog's, each on the envoy of its owner."""
+    from nnterp.catalog import values_of
+    from nnterp.envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, MLPEnvoy, standard_values
+
+    for envoy, owners in ((BlockEnvoy, ["block"]), (AttentionEnvoy, ["self_attn"]), (MLPEnvoy, ["mlp"]),
+                          (BlockWithMLPEnvoy, ["block", "mlp"])):
+        assert standard_values(envoy) == {v.name for owner in owners for v in values_of(owner)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
-from transformers import GPTNeoXConfig
 
 from nnterp import StandardizedTransformer, ValueUnavailable
 from nnterp.catalog import BY_NAME

@@ -22,8 +22,15 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.modeling import huggingface
 
-from nnterp import (StandardizedTransformer, activation_patching, collect, logit_difference, logit_lens,
-                    patchscope_lens, steered_generate)
+from nnterp import (
+    StandardizedTransformer,
+    activation_patching,
+    collect,
+    logit_difference,
+    logit_lens,
+    patchscope_lens,
+    steered_generate,
+)
 from nnterp.families import BY_MODEL_TYPE
 from nnterp.locations import Unavailable
 from nnterp.validation import check_identity

@@ -8,9 +8,21 @@ import pytest
 import torch
 import transformers as T
 
-from nnterp import (Collection, Prompt, StandardizedTransformer, activation_patching, add_to, collect,
-                    first_tokens, logit_difference, logit_lens, patchscope_lens, run_prompts, skip_layers,
-                    steered_generate)
+from nnterp import (
+    Collection,
+    Prompt,
+    StandardizedTransformer,
+    activation_patching,
+    add_to,
+    collect,
+    first_tokens,
+    logit_difference,
+    logit_lens,
+    patchscope_lens,
+    run_prompts,
+    skip_layers,
+    steered_generate,
+)
 from nnterp.families import BY_MODEL_TYPE
 
 from .conftest import WORDS, build_tiny, tiny_tokenizer
@@ -85,9 +97,9 @@ def test_activation_patching_against_hooks(llama):
     corrupted = ids_of(llama, CORRUPTED)
     for row, layer in enumerate([0, 2]):
         for position in range(6):
-            def patch(m, a, o, p=position, l=layer):
+            def patch(m, a, o, p=position, source_layer=layer):
                 o = o.clone()
-                o[:, p] = clean_out[l][:, p]
+                o[:, p] = clean_out[source_layer][:, p]
                 return o
             expected = metric(hf_logits(llama, corrupted, [(llama.layers._module[layer], patch, False)]))
             assert torch.allclose(effects[row, position], expected[0], atol=1e-5)
@@ -360,7 +372,7 @@ def test_lens_cli(tmp_path, capsys):
 
     main(["lens", "--model", str(tmp_path / "m"), "--prompt", CLEAN, "--plot", str(tmp_path / "l.png")])
     out = capsys.readouterr().out
-    assert "layer" in out and len([l for l in out.splitlines() if l.strip()[:1].isdigit()]) == 3
+    assert "layer" in out and len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3
     assert (tmp_path / "l.png").read_bytes()[:8] == PNG
 
 
@@ -380,7 +392,7 @@ def test_1x_accessors_are_the_standard_values(llama):
         llama.layers_output[0] = llama.layers_output[0] * 0
         zeroed = llama.layers_input[1].save()
     assert not zeroed.any() and len(llama.layers_output) == 3
-    from nnterp.interventions import logit_lens as old_lens, patchscope_lens as old_patchscope  # noqa: F401
+    from nnterp.interventions import logit_lens as old_lens  # noqa: F401
     from nnterp.prompt_utils import run_prompts as old_run  # noqa: F401
 
     assert old_lens is logit_lens and old_run is run_prompts

@@ -8,14 +8,14 @@ nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import PretrainedConfig
 
-from ..catalog import ATTENTION_INTERNALS, CATALOG
 from ..attention import STANDARD, WITH_SINKS, EagerAttention
+from ..catalog import ATTENTION_INTERNALS, CATALOG
 from ..locations import At, Location, SameAs, Unavailable, input, output
 
 Terms = dict[str, torch.Tensor]

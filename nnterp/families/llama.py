@@ -8,7 +8,13 @@ Sequential pre-norm with a gated MLP: ``mlp_activation`` is ``act_fn(gate_proj(x
 """
 
 from transformers import (
-    GemmaConfig, LlamaConfig, MistralConfig, OlmoConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    OlmoConfig,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
 )
 
 from .base import MODEL_LAYERS, Family, pre_norm_block
