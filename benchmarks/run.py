@@ -203,7 +203,7 @@ def trace_costs(name, build, rounds, with_tl=False):
 
 
 def attention_costs(rounds: int):
-    """The cost of turning the attention values on: nnterp's eager attention against the default sdpa."""
+    """The cost of turning the attention values on: the model's eager attention against the default sdpa."""
     std = StandardizedTransformer(gpt2_small(), tokenizer=tiny_tokenizer())
     ids = torch.randint(0, 30000, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -224,8 +224,8 @@ def attention_costs(rounds: int):
 
     medians = timed({
         "sdpa, premix only": switched(False, run(["attention_premix"])),
-        "nnterp eager, premix only": switched(True, run(["attention_premix"])),
-        "nnterp eager, q k v scores probs": switched(True, run(["queries", "keys", "values", "attention_scores",
+        "eager, premix only": switched(True, run(["attention_premix"])),
+        "eager, q k v scores probs": switched(True, run(["queries", "keys", "values", "attention_scores",
                                                                "attention_probabilities"])),
     }, ids, rounds)
     base = medians["sdpa, premix only"]

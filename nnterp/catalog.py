@@ -48,7 +48,7 @@ CATALOG: tuple[Value, ...] = (
     Value("mlp_output", "mlp", "[batch, seq, hidden_size]", 12, "what the MLP adds to the stream"),
     Value("layer_output", "block", "[batch, seq, hidden_size]", 13, "the residual stream leaving the block"),
 )
-# Values inside the attention computation: served by nnterp's own attention implementation when it is on.
+# Values inside the attention computation: read inside the model's eager attention when they are on.
 ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 
 BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}

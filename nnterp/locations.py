@@ -33,8 +33,13 @@ class At:
     ``heads_first`` views ``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``;
     ``unflatten`` views a tensor the block flattened to ``[batch * seq, features]`` as
     ``[batch, seq, features]`` (``[batch, seq]`` read from the block's input in the same trace);
-    ``copy`` reads a clone, for the rare tensor the model itself changes in place after producing
-    it (an edit of the copy does not reach the model; an assignment does).
+    ``copy`` reads a clone, for a tensor the block uses for more than this value (Falcon's parallel
+    MLP output, which the block then adds the attention output to in place; the stream entering an
+    MLP with no norm before it): in-place edits of the clone are swapped into the model at this
+    place only, when the trace moves on, so they reach what this value feeds and nothing else.
+    ``shared`` marks the stream at a place where the block keeps using the same tensor (the
+    residual after the attention add is also the norm's input): an assignment is copied into
+    that tensor, so it replaces the stream everywhere the block uses it, as an in-place edit does.
     """
 
     path: str
@@ -45,6 +50,7 @@ class At:
     op: str = ""
     heads: bool = False
     copy: bool = False
+    shared: bool = False
     unflatten: bool = False
     heads_first: bool = False
 
@@ -67,7 +73,9 @@ class At:
         if self.heads_first:
             text += " (viewed as [batch, seq, heads, dim])"
         if self.copy:
-            text += " (a copy: the model later changes this tensor in place)"
+            text += " (a copy, swapped back: the block uses this tensor for more than this value)"
+        if self.shared:
+            text += " (the stream: an assignment replaces it everywhere the block uses it)"
         return text
 
     # -- the module and the envoy that serve it --------------------------------------------
@@ -99,14 +107,39 @@ class At:
         return tuple(shape)
 
     def read(self, block_envoy, num_heads: int):
-        tensor = self._raw(self.envoy(block_envoy))
+        envoy = self.envoy(block_envoy)
         if self.copy:
-            tensor = tensor.clone()
+            tensor = self._read_copy(envoy)
+        else:
+            tensor = self._raw(envoy)
         if self.heads or self.unflatten:
             tensor = tensor.view(self._view_shape(block_envoy, tensor.shape, num_heads))
         if self.heads_first:
             tensor = tensor.transpose(1, 2)
         return tensor
+
+    def _read_copy(self, envoy):
+        """A clone of the tensor, and a write-back: when the trace moves on, a clone of the (edited) clone
+        is swapped in at this place, so the model's later in-place changes never reach the reader's copy."""
+        from nnsight.intervention.eproperty import WriteBack
+        from nnsight.intervention.interleaver import Mediator
+
+        location = f"{envoy.path}.{self.side}"
+        mediator = Mediator.current(location)
+        occurrence = mediator.wanted(location)
+        raw = envoy.output if self.side == "output" else envoy.inputs
+        clone = self._raw(envoy).clone()
+        mediator.transform = WriteBack(lambda: self._replaced(raw, clone.clone()), clone, self, location, occurrence)
+        return clone
+
+    def _replaced(self, raw, tensor):
+        """``raw`` (an output, or ``(args, kwargs)``) with this location's tensor replaced by ``tensor``."""
+        if self.side == "output":
+            return (*raw[: self.index], tensor, *raw[self.index + 1 :]) if isinstance(raw, tuple) else tensor
+        args, kwargs = raw
+        if len(args) > self.arg:
+            return (*args[: self.arg], tensor, *args[self.arg + 1 :]), kwargs
+        return args, {**kwargs, self.kwarg: tensor}
 
     def write(self, block_envoy, value, num_heads: int, key: str) -> None:
         envoy = self.envoy(block_envoy)
@@ -132,19 +165,12 @@ class At:
                 f"Move it first, e.g. value.to('{current.device}')."
             )
         value = value.transpose(1, 2) if self.heads_first else value.reshape(current.shape)
-        if self.side == "output":
-            out = envoy.output
-            if isinstance(out, tuple):
-                envoy.output = (*out[: self.index], value, *out[self.index + 1 :])
-            else:
-                envoy.output = value
+        if self.shared:
+            current.copy_(value)
+        elif self.side == "output":
+            envoy.output = self._replaced(envoy.output, value)
         else:
-            args, kwargs = envoy.inputs
-            if len(args) > self.arg:
-                args = (*args[: self.arg], value, *args[self.arg + 1 :])
-            else:
-                kwargs = {**kwargs, self.kwarg: value}
-            envoy.inputs = (args, kwargs)
+            envoy.inputs = self._replaced(envoy.inputs, value)
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:

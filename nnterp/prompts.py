@@ -58,14 +58,15 @@ class Prompt:
 
 
 def run_prompts(model, prompts: Sequence[Prompt], batch_size: int = 32,
-                get_probs: Callable | None = None, progress: bool = True) -> dict[str, torch.Tensor]:
+                get_probs: Callable | None = None, progress: bool = True,
+                remote: bool | str = False) -> dict[str, torch.Tensor]:
     """Target probabilities of every prompt, batched with left padding.
 
     ``get_probs(model, texts)`` returns next-token probabilities ``[batch, vocab]`` (the default)
     or ``[batch, layers, vocab]`` (e.g. ``nnterp.lens.logit_lens``). Returns, per category, a
-    ``[prompts]`` or ``[prompts, layers]`` tensor.
+    ``[prompts]`` or ``[prompts, layers]`` tensor. ``remote=True`` runs the default on the remote model.
     """
-    get_probs = get_probs or next_token_probabilities
+    get_probs = get_probs or (lambda model, texts: next_token_probabilities(model, texts, remote))
     results: dict[str, list[torch.Tensor]] = {}
     batches = range(0, len(prompts), batch_size)
     for start in tqdm(batches, desc="prompts", disable=not progress or len(batches) < 2):
@@ -77,10 +78,10 @@ def run_prompts(model, prompts: Sequence[Prompt], batch_size: int = 32,
     return {category: torch.stack(values) for category, values in results.items()}
 
 
-def next_token_probabilities(model, texts: Sequence[str]) -> torch.Tensor:
+def next_token_probabilities(model, texts: Sequence[str], remote: bool | str = False) -> torch.Tensor:
     """``[batch, vocab]`` next-token probabilities of a (left-padded) batch."""
     import nnsight
 
-    with torch.no_grad(), model.trace(list(texts)):
+    with torch.no_grad(), model.trace(list(texts), remote=remote):
         probs = nnsight.save(model.next_token_probs)
     return probs.float().cpu()

@@ -111,7 +111,7 @@ def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
 
 
 SEQ = 5
-CACHE_FORMAT = 2  # bump when what a validation records changes (2: the attention probes' events)
+CACHE_FORMAT = 3  # bump when what a validation records changes (3: attention read through .source)
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 

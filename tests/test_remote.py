@@ -23,12 +23,14 @@ from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.modeling import huggingface
 
 from nnterp import (
+    Prompt,
     StandardizedTransformer,
     activation_patching,
     collect,
     logit_difference,
     logit_lens,
     patchscope_lens,
+    run_prompts,
     steered_generate,
 )
 from nnterp.families import BY_MODEL_TYPE
@@ -210,6 +212,22 @@ def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tm
             model.scale_heads(1, [0, 2], 0.5)
             logits_remote = nnsight.save(model.logits)
         assert torch.equal(heads, heads_remote) and torch.equal(logits, logits_remote)
+
+
+def test_a_model_loaded_without_weights_runs_remotely_and_stays_without_them(checkpoints, requests):
+    """The NDIF workflow: the weights live on the server; the client never loads them."""
+    folder = saved_folder("llama", checkpoints)
+    lazy = StandardizedTransformer(folder, dispatch=False, attention_values=True)
+    remote = read_everything(lazy, True)
+    assert not lazy.dispatched and all(p.device.type == "meta" for p in lazy._module.parameters())
+    prompts = [Prompt.from_strings("the cat sat on the", {"mat": "mat", "dog": "dog"}, lazy.tokenizer)]
+    remote_targets = run_prompts(lazy, prompts, progress=False, remote=True)
+    assert not lazy.dispatched
+    local = StandardizedTransformer(folder, attention_values=True)
+    assert_same(read_everything(local, False), remote)
+    local_targets = run_prompts(local, prompts, progress=False)
+    assert local_targets.keys() == remote_targets.keys()
+    assert all(torch.equal(local_targets[k], remote_targets[k]) for k in local_targets)
 
 
 def test_a_module_the_server_lacks_fails_the_request(checkpoints, requests):

@@ -153,7 +153,7 @@ def pre_norm_block(
         "attention_norm_output": output(input_norm),
         "attention_premix": input(o_proj, heads=True),
         "attention_output": output(attention, index=0),
-        "layer_mid": input(post_norm),
+        "layer_mid": input(post_norm, shared=True),  # also the residual of the MLP add
         "mlp_norm_output": output(post_norm),
         "mlp_input": input(mlp),
         "mlp_activation": output(act),

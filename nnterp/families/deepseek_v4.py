@@ -32,7 +32,7 @@ def _block(config, i):
     base = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_a_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="",
-        layer_mid=input("ffn_hc"), mlp_norm_output=output("post_attention_layernorm"),
+        layer_mid=input("ffn_hc", shared=True), mlp_norm_output=output("post_attention_layernorm"),
         mlp_activation=ROUTED, mlp_neurons=ROUTED,
     )
     return Block(

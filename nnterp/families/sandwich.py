@@ -32,7 +32,8 @@ def _olmo2_block(config, i):
                                           "the attention's output instead, in post_attention_layernorm)"),
         mlp_norm_output=Unavailable("no norm before the MLP: it reads layer_mid (the block norms the MLP's "
                                     "output instead, in post_feedforward_layernorm)"),
-        layer_mid=input("mlp"),
+        # the stream the MLP reads is also the residual: edits of what the MLP receives go to a copy
+        layer_mid=input("mlp", shared=True), mlp_input=input("mlp", copy=True),
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
     )
 
