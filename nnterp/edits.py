@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .selection import layer_indices, value_name
+from .selection import forward_order, layer_indices, value_name
 
 Positions = int | slice | Sequence[int] | torch.Tensor | None
 
@@ -23,7 +23,7 @@ def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", fac
     ``positions`` and ``batch`` index the sequence and batch dimensions (``None``: all).
     """
     name = value_name(value)
-    for layer in layer_indices(model, layers):
+    for layer in forward_order(layer_indices(model, layers)):
         tensor = model.read_value(layer, name)
         if vector.shape[-1] != tensor.shape[-1]:
             raise ValueError(f"The steering vector has {vector.shape[-1]} features; '{value}' has {tensor.shape[-1]}.")
@@ -44,7 +44,10 @@ def skip_layers(model, start: int, end: int | None = None) -> None:
     tuple: the skipped block hands on the stream in the tuple the next block expects.
     """
     end = start if end is None else end
-    layers = layer_indices(model, range(start, end + 1))
+    start, end = (layer_indices(model, [layer])[0] for layer in (start, end))
+    if end < start:
+        raise ValueError(f"skip_layers skips blocks start to end inclusive: end ({end}) is before start ({start}).")
+    layers = list(range(start, end + 1))
     stream = model.layers[layers[0]].layer_input
     for layer in layers:
         block = model.layers[layer]

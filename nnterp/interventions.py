@@ -13,7 +13,7 @@ import torch
 
 from .edits import Positions, add_to, skip_layers  # noqa: F401  (add_to, skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
-from .selection import layer_indices, value_name
+from .selection import forward_order, layer_indices, token_index, value_name
 
 # -- steering -------------------------------------------------------------------------------------
 
@@ -46,7 +46,11 @@ def _scope_steps(scope: str | range, max_new_tokens: int) -> set[int]:
     every = range(max_new_tokens)
     named = {"prompt": range(0, 1), "generated": range(1, max_new_tokens), "all": every}
     if isinstance(scope, range):
-        return set(scope) & set(every)
+        outside = sorted(set(scope) - set(every))
+        if outside:
+            raise ValueError(f"scope {scope} asks for steps {outside}, which a generation of {max_new_tokens} new "
+                             f"tokens never runs (steps 0 to {max_new_tokens - 1}; step 0 is the prompt).")
+        return set(scope)
     if scope not in named:
         raise ValueError(f"scope is 'prompt', 'generated', 'all' or a range of steps, not {scope!r}.")
     return set(named[scope])
@@ -81,10 +85,11 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
                          f"{clean_ids.shape[1]} tokens, the corrupted one {corrupted_ids.shape[1]}.")
     positions = list(range(clean_ids.shape[1])) if positions is None else list(positions)
     with torch.no_grad(), model.trace(clean_ids, remote=remote):
-        sources = nnsight.save([model.read_value(layer, name) for layer in layers])
+        sources = nnsight.save({layer: model.read_value(layer, name) for layer in forward_order(layers)})
     effects = torch.empty(len(layers), len(positions))
     batch = corrupted_ids.repeat(len(positions), 1)
-    for row, (layer, source) in enumerate(zip(layers, sources)):
+    for row, layer in enumerate(layers):  # the rows in the order asked for
+        source = sources[layer]
         with torch.no_grad(), model.trace(batch, remote=remote):
             target = model.read_value(layer, name)
             for j, position in enumerate(positions):
@@ -103,10 +108,13 @@ def patchscope_lens(model, source_prompts: str | Sequence[str], target_prompt: s
     name = value_name(value)
     sources = [source_prompts] if isinstance(source_prompts, str) else list(source_prompts)
     layers = layer_indices(model, layers)
-    with torch.no_grad(), model.trace(sources, remote=remote):
-        latents = nnsight.save([model.read_value(layer, name)[:, -1] for layer in layers])
+    inputs = model.tokenizer(sources, return_tensors="pt", padding=True)
+    rows, last = torch.arange(len(sources)), token_index(inputs.attention_mask, -1)  # whichever side pads
+    with torch.no_grad(), model.trace(inputs, remote=remote):
+        latents = nnsight.save({layer: model.read_value(layer, name)[rows, last] for layer in forward_order(layers)})
     probs = []
-    for layer, latent in zip(layers, latents):
+    for layer in layers:
+        latent = latents[layer]
         with torch.no_grad(), model.trace([target_prompt] * len(sources), remote=remote):
             model.read_value(layer, name)[:, index_to_patch] = latent
             layer_probs = nnsight.save(model.next_token_probs)

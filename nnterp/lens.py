@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import nnsight
 import torch
 
-from .selection import layer_indices
+from .selection import forward_order, layer_indices, token_index
 
 STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mlp_output")
 
@@ -16,8 +16,9 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
                position: int | None = -1, remote: bool | str = False) -> torch.Tensor:
     """Next-token probabilities from each layer's ``value``, through ``model.project_on_vocab``.
 
-    Returns ``[prompts, layers, vocab]`` at ``position`` (the last token by default; prompts are
-    left-padded), or ``[prompts, layers, seq, vocab]`` with ``position=None``. ``value`` is a
+    Returns ``[prompts, layers, vocab]`` at ``position`` of each prompt's own tokens (the last by
+    default), or ``[prompts, layers, seq, vocab]`` over the padded batch with ``position=None``.
+    The layers come back in the order asked for, repeats included. ``value`` is a
     ``[batch, seq, hidden]`` value: the stream (``layer_input``, ``layer_mid``, ``layer_output``)
     or a contribution (``attention_output``, ``mlp_output``). On the last layer's
     ``layer_output`` the lens is the model's own next-token distribution. The readout runs inside
@@ -28,14 +29,17 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
         raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     layers = layer_indices(model, layers)
-    with torch.no_grad(), model.trace(prompts, remote=remote):
-        per_layer = []
-        for i in layers:
+    inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
+    rows = torch.arange(len(prompts))
+    index = None if position is None else token_index(inputs.attention_mask, position)
+    with torch.no_grad(), model.trace(inputs, remote=remote):
+        per_layer = {}
+        for i in forward_order(layers):
             hidden = model.read_value(i, name)
-            # [:, [position]] keeps the sequence dimension, which a stream readout (DeepSeek-V4) expects
-            hidden = hidden if position is None else hidden[:, [position]]
-            per_layer.append(model.project_on_vocab(hidden).float().softmax(dim=-1).cpu())
-        probs = nnsight.save(torch.stack(per_layer, dim=1))
+            # one token per prompt, keeping the sequence dimension a stream readout (DeepSeek-V4) expects
+            hidden = hidden if index is None else hidden[rows, index.to(hidden.device)].unsqueeze(1)
+            per_layer[i] = model.project_on_vocab(hidden).float().softmax(dim=-1).cpu()
+        probs = nnsight.save(torch.stack([per_layer[i] for i in layers], dim=1))
     return probs if position is None else probs[:, :, 0]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 
 import nnsight
@@ -136,7 +137,8 @@ def build_miniature(config, architecture: type):
     mini_config = miniature_config(config)
     mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
     generator = torch.Generator().manual_seed(0)
-    with torch.device("cpu"):
+    # the model's own initialization draws from the global generator: leave the user's random state as it was
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         mini = architecture._from_config(mini_config, dtype=torch.float32)
     with torch.no_grad():
         for parameter in mini.parameters():
@@ -198,11 +200,10 @@ def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True
     """
     key = validation_key(config, architecture)
     marker = cache_root() / "validated" / f"{key}.json"
-    if use_cache and key not in _VALIDATED and marker.is_file():
-        try:
-            _VALIDATED[key] = {(name, side): i for i, (name, side) in enumerate(json.loads(marker.read_text())["events"])}
-        except (OSError, ValueError, KeyError):
-            pass  # an unreadable marker: validate again
+    if use_cache and key not in _VALIDATED:
+        cached = _read_marker(marker, key)
+        if cached is not None:
+            _VALIDATED[key] = cached
     if use_cache and key in _VALIDATED:
         return _VALIDATED[key]
     family = family_of(config, architecture.__name__)
@@ -222,10 +223,34 @@ def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True
             "StandardizedTransformer(..., validate=False) skips this check at your own risk."
         )
     _VALIDATED[key] = events = mini._forward_events
+    ordered = [list(event) for event in sorted(events, key=events.get)]
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"architecture": architecture.__name__, "family": family.name,
-                                      "events": sorted(events, key=events.get)}))
-    except OSError:
-        pass  # a read-only cache only costs a re-validation next time
+        temporary = marker.with_name(f".{marker.name}.tmp")
+        temporary.write_text(json.dumps({"architecture": architecture.__name__, "family": family.name,
+                                         "events": ordered, "digest": _digest(key, ordered)}))
+        temporary.replace(marker)
+    except OSError as error:
+        warnings.warn(f"nnterp could not write its validation cache ({error}); the result is kept in memory for "
+                      "this process only. Set NNTERP_CACHE to a writable folder to keep it.", stacklevel=3)
     return events
+
+
+def _digest(key: str, events: list) -> str:
+    return hashlib.sha256(json.dumps([key, events]).encode()).hexdigest()
+
+
+def _read_marker(marker, key: str) -> dict[tuple[str, str], int] | None:
+    """A cached validation, verified (its digest covers the key and the events, in order); None to validate again."""
+    try:
+        if not marker.is_file():
+            return None
+        saved = json.loads(marker.read_text())
+        events = saved["events"]
+        if saved["digest"] != _digest(key, events) or not all(isinstance(e, list) and len(e) == 2 for e in events):
+            raise ValueError("its digest does not match its content")
+        return {(name, side): i for i, (name, side) in enumerate(events)}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"nnterp ignores an unusable validation cache entry {marker} ({type(error).__name__}: {error}) "
+                      "and validates again.", stacklevel=4)
+        return None

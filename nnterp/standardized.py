@@ -37,27 +37,36 @@ class Availability:
 
 def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kwargs: dict):
     """Config, tokenizer and validation, before any weight: (config, architecture, tokenizer, validated events)."""
+    local = os.path.isdir(name)
     try:
-        config_kwargs = {key: value for key, value in from_pretrained_kwargs.items() if key in CONFIG_KWARGS}
-        config = AutoConfig.from_pretrained(name, **config_kwargs)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(name)
+        # the config the model is built with: loading options that are config attributes override the folder's
+        config, _ = AutoConfig.from_pretrained(name, return_unused_kwargs=True, **from_pretrained_kwargs)
     except OSError as error:
+        if local:
+            raise OSError(f"{str(name)!r} is a folder, but its config.json could not be read: {error}") from error
         raise OSError(
             f"Could not load {str(name)!r}: it is not a local folder holding a model, and the hub could not "
             "provide it (no network, HF_HUB_OFFLINE set, or no such repository). Pass a local folder, or a hub "
             f"name with network access. Cause: {error}"
         ) from error
+    except ValueError as error:  # a config.json that is not valid JSON, or not a config
+        raise OSError(f"The config of {str(name)!r} could not be read: {error}") from error
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as error:
+            raise OSError(
+                f"No tokenizer could be loaded from {str(name)!r}"
+                + (" (the folder holds no tokenizer files)" if local else "")
+                + ": pass one with StandardizedTransformer(name, tokenizer=tokenizer_or_folder). "
+                f"Cause: {type(error).__name__}: {error}"
+            ) from error
     architecture = _architecture_of(config)
     family_of(config, architecture.__name__)
     events = None
     if validate:
         events = proof.validate(config, architecture, tokenizer, StandardizedTransformer)
     return config, architecture, tokenizer, events
-
-
-# loading options that change the config (and so the architecture that is validated)
-CONFIG_KWARGS = ("trust_remote_code", "revision", "attn_implementation")
 
 
 def _architecture_of(config) -> type[PreTrainedModel]:
@@ -108,6 +117,12 @@ class StandardizedTransformer(TransformersModel):
             )
         elif not isinstance(model, PreTrainedModel):
             raise TypeError(f"Expected a model name, a folder or a transformers PreTrainedModel, got {type(model).__name__}.")
+        elif not model.can_generate():
+            raise TypeError(
+                f"{type(model).__name__} is not a causal language model (it has no language-model head to generate "
+                "with): nnterp wraps the ...ForCausalLM class of a decoder. Load it with "
+                "transformers.AutoModelForCausalLM, or pass the checkpoint's name or folder."
+            )
         elif any(parameter.device.type == "meta" for parameter in model.parameters()):
             raise ValueError(
                 "This model's weights are on the meta device (no weights), so it cannot be wrapped: nothing could load "
