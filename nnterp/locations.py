@@ -91,12 +91,18 @@ class At:
         return envoy
 
     # -- reading and writing inside a trace -----------------------------------------------
-    def _raw(self, envoy):
+    def _element(self, raw):
+        """This location's tensor in what the module (or operation) gives: an output, or ``(args, kwargs)``."""
         if self.side == "output":
-            out = envoy.output
-            return out[self.index] if isinstance(out, tuple) else out
-        args, kwargs = envoy.inputs
+            return raw[self.index] if isinstance(raw, tuple) else raw
+        args, kwargs = raw
         return args[self.arg] if len(args) > self.arg else kwargs[self.kwarg]
+
+    def _container(self, envoy):
+        return envoy.output if self.side == "output" else envoy.inputs
+
+    def _raw(self, envoy):
+        return self._element(self._container(envoy))
 
     def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
         if self.unflatten:
@@ -106,31 +112,40 @@ class At:
             shape = (*shape[:2], num_heads, width // num_heads)
         return tuple(shape)
 
+    @property
+    def _derived(self) -> bool:
+        """The reader gets a tensor the model does not hold itself: a view, or a copy."""
+        return self.copy or self.heads or self.unflatten or self.heads_first
+
     def read(self, block_envoy, num_heads: int):
         envoy = self.envoy(block_envoy)
-        if self.copy:
-            tensor = self._read_copy(envoy)
-        else:
-            tensor = self._raw(envoy)
-        if self.heads or self.unflatten:
-            tensor = tensor.view(self._view_shape(block_envoy, tensor.shape, num_heads))
-        if self.heads_first:
-            tensor = tensor.transpose(1, 2)
-        return tensor
-
-    def _read_copy(self, envoy):
-        """A clone of the tensor, and a write-back: when the trace moves on, a clone of the (edited) clone
-        is swapped in at this place, so the model's later in-place changes never reach the reader's copy."""
+        if not self._derived:
+            return self._raw(envoy)
         from nnsight.intervention.eproperty import WriteBack
         from nnsight.intervention.interleaver import Mediator
 
         location = f"{envoy.path}.{self.side}"
         mediator = Mediator.current(location)
         occurrence = mediator.wanted(location)
-        raw = envoy.output if self.side == "output" else envoy.inputs
-        clone = self._raw(envoy).clone()
-        mediator.transform = WriteBack(lambda: self._replaced(raw, clone.clone()), clone, self, location, occurrence)
-        return clone
+        raw = self._container(envoy)
+        tensor = self._element(raw)
+        value = tensor.clone() if self.copy else tensor
+        if self.heads or self.unflatten:
+            value = value.view(self._view_shape(block_envoy, tensor.shape, num_heads))
+        if self.heads_first:
+            value = value.transpose(1, 2)
+
+        def back():
+            # What the model goes on with is derived from the reader's tensor, so gradients reach it and
+            # edits made to it in place are the model's (a copy hands on a copy of itself: the model may
+            # change what it is handed in place, and the reader's copy must not see that).
+            model_side = value.transpose(1, 2) if self.heads_first else value
+            model_side = model_side.view(tensor.shape) if (self.heads or self.unflatten) else model_side
+            return self._replaced(raw, model_side.clone() if self.copy else model_side)
+
+        # swapped in when the trace next asks the model for anything (nnsight's write-back of a view)
+        mediator.transform = WriteBack(back, value, self, location, occurrence)
+        return value
 
     def _replaced(self, raw, tensor):
         """``raw`` (an output, or ``(args, kwargs)``) with this location's tensor replaced by ``tensor``."""

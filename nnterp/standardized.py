@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.transformers import TransformersModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -158,7 +159,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_own_attention = attention.implementation_of(model)
         self._nnterp_attention_on = False
-        self._nnterp_blocks = self._with_attention_internals()
+        self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
@@ -252,17 +253,24 @@ class StandardizedTransformer(TransformersModel):
             raise ValueUnavailable("self_attn.attention_probabilities", self.family.name, where.reason)
         attention.set_implementation(self._module, attention.IMPLEMENTATION)
         self._nnterp_attention_on = True
-        self._nnterp_blocks = self._with_attention_internals()
+        self._place_values()
 
     def disable_attention_values(self) -> None:
         """Back to the model's own attention implementation."""
         attention.set_implementation(self._module, self._nnterp_own_attention)
         self._nnterp_attention_on = False
-        self._nnterp_blocks = self._with_attention_internals()
+        self._place_values()
 
-    def _with_attention_internals(self) -> tuple[Block, ...]:
+    def _place_values(self) -> None:
+        """Every block's values (the attention internals as they are on or off), and the modules read
+        through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
-        return tuple(dataclasses.replace(block, values={**block.values, **where}) for block in self._nnterp_structure)
+        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**block.values, **where})
+                                    for block in self._nnterp_structure)
+        self._nnterp_sourced = sorted({self.block_path(i, location.path)
+                                       for i, block in enumerate(self._nnterp_blocks)
+                                       for location in (*block.values.values(), *block.extra.values())
+                                       if isinstance(location, At) and location.op})
 
     def head_outputs(self, layer: int) -> torch.Tensor:
         """Inside a trace: each head's contribution through the output projection ``[batch, seq, heads, out]``."""
@@ -310,16 +318,34 @@ class StandardizedTransformer(TransformersModel):
     def read_at(self, layer: int, location: At) -> torch.Tensor:
         """Inside a trace: the tensor at ``location`` of block ``layer``."""
         block = self.layers[layer]
+        self._begin_pass(block)
+        return location.read(block, self.num_heads)
+
+    def _begin_pass(self, block) -> None:
+        """Before the first value of a forward pass (per invoke and generation step): instrument the modules
+        read through ``.source`` (nnsight instruments a module when it is first asked, for the calls that
+        start after that: a fresh server model included), and read ``[batch, seq]`` where a block flattens
+        the stream."""
+        if self._nnterp_sourced:
+            mediator = Mediator.current("a standard value")
+            if not mediator.__dict__.get("_nnterp_sourced"):
+                for path in self._nnterp_sourced:
+                    self._envoy_at(path).source  # noqa: B018 - the access instruments the module
+                mediator._nnterp_sourced = True
         if self._nnterp_flattens:
             leading_shape(block)
-        return location.read(block, self.num_heads)
+
+    def _envoy_at(self, path: str):
+        envoy = self
+        for part in path.split("."):
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        return envoy
 
     def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
         """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
         location = self.location(layer, name)
         block = self.layers[layer]
-        if self._nnterp_flattens:
-            leading_shape(block)
+        self._begin_pass(block)
         location.write(block, value, self.num_heads, value_named(name).key)
 
     def availability(self, layer: int) -> dict[str, Availability]:
@@ -349,17 +375,18 @@ class StandardizedTransformer(TransformersModel):
         block = self.block_spec(layer)
         located = [(value.key, block.resolve(value.name)) for value in CATALOG]
         located += [(f"extra.{name}", location) for name, location in block.extra.items()]
-        timeline = [(self._event(layer, location, key), key, location)
-                    for key, location in located if isinstance(location, At)]
-        return sorted(timeline, key=lambda item: item[0])
-
-    def _event(self, layer: int, location: At, key: str) -> tuple[int, int]:
-        """Where a location falls in the forward pass: its module event, then (inside that module's
-        forward) the rank of the value, for operations read through ``.source``."""
-        name = self.block_path(layer, location.path)
-        if location.op:  # inside the module's forward: after its input, in the catalog's order
-            return self._event_index(name, "input", key), 1 + BY_NAME[key.rpartition(".")[2]].rank
-        return self._event_index(name, location.side, key), 0
+        located = [(key, location) for key, location in located if isinstance(location, At)]
+        # module boundaries are ordered by the recorded forward pass; an operation inside a forward
+        # (read through .source) comes right after the last module-boundary value the catalog puts before it
+        events = {key: (self._event_index(self.block_path(layer, location.path), location.side, key), 0)
+                  for key, location in located if not location.op}
+        rank = {key: BY_NAME[key.rpartition(".")[2]].rank for key, _ in located if not key.startswith("extra.")}
+        block_input = (self._event_index(self.block_path(layer), "input", "layer_input"), 0)
+        for key, location in located:
+            if location.op:
+                before = [events[k] for k in events if k in rank and rank[k] < rank[key]]
+                events[key] = (max(before, default=block_input)[0], 1 + rank[key])
+        return sorted(((events[key], key, location) for key, location in located), key=lambda item: item[0])
 
     def _event_index(self, name: str, side: str, key: str) -> int:
         index = self._forward_events.get((name, side))

@@ -10,6 +10,7 @@ through nnterp must each give the hook's logits bit for bit.
 
 from __future__ import annotations
 
+import nnsight
 import pytest
 import torch
 
@@ -45,6 +46,16 @@ def edited_values(case):
     names = [name for name, where in truth(LAYER).items()
              if name in BY_NAME and where is not None and BY_NAME[name].key in model.order(LAYER)]
     return model, hf_model, truth, names
+
+
+def one_per_place(model, names):
+    """The first of the values that share one location (a parallel block's one norm output)."""
+    seen, kept = set(), []
+    for name in names:
+        if model.location(LAYER, name) not in seen:
+            seen.add(model.location(LAYER, name))
+            kept.append(name)
+    return kept
 
 
 def envoy_of(model, name):
@@ -123,3 +134,35 @@ def test_activation_patching_matches_hooks(case):
             return t
         logits = expected_logits(hf_model, truth, name, patch, corrupted_ids.repeat(len(positions), 1))
         assert torch.equal(effects[0], metric(logits).float()), f"{case}: patching {name}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_autograd_on_every_value(case):
+    """``.grad`` of every value inside ``with loss.backward()`` is torch.autograd's gradient at that boundary."""
+    model, hf_model, truth, names = edited_values(case)
+    names = one_per_place(model, names)
+    captured = {}
+
+    def capture(name):
+        def grab(t):
+            if name not in STREAM:
+                t = t.clone()  # a node only this boundary's consumer uses: the gradient through it alone
+            captured[name] = t
+            return t
+        return grab
+
+    expected = {}
+    for name in names:  # one boundary per run: the same graph as one value read through nnterp
+        handle = register_edit(hf_model, *module_of(hf_model, truth, LAYER, name), capture(name))
+        try:
+            loss = hf_model(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits.square().mean()
+            expected[name] = torch.autograd.grad(loss, captured[name])[0]
+        finally:
+            handle.remove()
+    for name in names:  # one value per trace: nnsight serves gradients in the order backward computes them
+        with model.trace(IDS):
+            value = getattr(envoy_of(model, name), name)
+            loss = model.logits.square().mean()
+            with loss.backward():
+                grad = nnsight.save(value.grad)
+        assert torch.equal(grad.reshape(expected[name].shape), expected[name]), f"{case}: gradient of {name}"

@@ -201,7 +201,10 @@ def parallel_block(*, input_norm: str, attention: str, o_proj: str, mlp: str, ac
         combine=lambda t, _: add(t["layer_input"], t["attention_output"], t["mlp_output"]),
         ulps=0 if order == "(x + a) + m" else 1,
         layer_mid=PARALLEL_NO_MID,
-        **({"mlp_norm_output": SameAs("attention_norm_output")} if mlp_norm is None else {}),
+        # one norm feeds both sublayers: what the MLP receives is read as a copy swapped in for the MLP alone,
+        # so an edit (or a gradient) of mlp_input is the MLP's, not the attention's too
+        **({"mlp_norm_output": SameAs("attention_norm_output"), "mlp_input": input(mlp, copy=True)}
+           if mlp_norm is None else {}),
         **overrides,
     )
 

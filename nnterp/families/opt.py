@@ -31,7 +31,8 @@ OPT = Family(
     block=lambda config, i: pre_norm_block(
         input_norm="self_attn_layer_norm", attention="self_attn", o_proj="self_attn.out_proj",
         post_norm="final_layer_norm", mlp="fc1", act="activation_fn", down_proj="fc2",
-        layer_mid=input("final_layer_norm", unflatten=True, shared=True), mlp_norm_output=output("final_layer_norm", unflatten=True),
+        # the stream after the attention add, before the block flattens it (the add's result, read through .source)
+        layer_mid=output("", op="hidden_states_2"), mlp_norm_output=output("final_layer_norm", unflatten=True),
         mlp_input=input("fc1", unflatten=True), mlp_activation=output("activation_fn", unflatten=True),
         mlp_neurons=input("fc2", unflatten=True), mlp_output=output("fc2", unflatten=True),
     ),
