@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.transformers import TransformersModel
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -106,8 +107,6 @@ class StandardizedTransformer(TransformersModel):
         validated = None  # the forward events of the validated miniature
         lazy = isinstance(model, (str, os.PathLike)) and not dispatch
         if isinstance(model, (str, os.PathLike)):
-            if attention_values:
-                from_pretrained_kwargs.setdefault("attn_implementation", attention.IMPLEMENTATION)
             config, architecture, tokenizer, validated = _prepare(model, tokenizer, validate, from_pretrained_kwargs)
             if not lazy:
                 model = architecture.from_pretrained(model, **from_pretrained_kwargs)
@@ -157,7 +156,6 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_family = family
         self._nnterp_text_config = model.config.get_text_config()
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
-        self._nnterp_own_attention = attention.implementation_of(model)
         self._nnterp_attention_on = False
         self._place_values()
         for i, block in enumerate(self.layers):
@@ -230,8 +228,6 @@ class StandardizedTransformer(TransformersModel):
             return
         TransformersModel.dispatch(self)
         self._module.eval()
-        if self._nnterp_attention_on:
-            attention.set_implementation(self._module, attention.IMPLEMENTATION)
 
     # -- remote execution ---------------------------------------------------------------------
     def _remoteable_class(self) -> type:
@@ -247,19 +243,40 @@ class StandardizedTransformer(TransformersModel):
 
     # -- the values inside the attention -----------------------------------------------------
     def enable_attention_values(self) -> None:
-        """Serve queries, keys, values, scores and probabilities: run transformers' eager attention (slower than sdpa)."""
+        """Serve queries, keys, values, scores and probabilities: this wrapper's traces run transformers'
+        eager attention (slower than sdpa). The model itself is left as it is: another wrapper of it, or
+        the bare model, runs its own implementation."""
         where = self.family.attention_of(self._nnterp_text_config)
         if isinstance(where, Unavailable):
             raise ValueUnavailable("self_attn.attention_probabilities", self.family.name, where.reason)
-        attention.set_implementation(self._module, attention.IMPLEMENTATION)
         self._nnterp_attention_on = True
         self._place_values()
 
     def disable_attention_values(self) -> None:
-        """Back to the model's own attention implementation."""
-        attention.set_implementation(self._module, self._nnterp_own_attention)
+        """Back to the model's own attention implementation in this wrapper's traces."""
         self._nnterp_attention_on = False
         self._place_values()
+
+    def interleave(self, fn, *args, **kwargs):
+        """Every trace of this wrapper runs with eager attention while the attention values are on, and
+        hands the model back with the implementation it had."""
+        if not self.dispatched and detect_fake_mode() is None:  # the weights first: dispatch swaps the module
+            self.dispatch()
+        own = attention.implementation_of(self._module)
+        if not self._nnterp_attention_on or own == attention.IMPLEMENTATION:
+            return TransformersModel.interleave(self, fn, *args, **kwargs)
+        attention.set_implementation(self._module, attention.IMPLEMENTATION)
+        try:
+            return TransformersModel.interleave(self, fn, *args, **kwargs)
+        finally:
+            attention.set_implementation(self._module, own)
+
+    def _remoteable_get_env(self) -> dict:
+        """The environment a remote request carries: eager attention while the attention values are on."""
+        env = TransformersModel._remoteable_get_env(self)
+        if self._nnterp_attention_on:
+            env["attn_implementation"] = attention.IMPLEMENTATION
+        return env
 
     def _place_values(self) -> None:
         """Every block's values (the attention internals as they are on or off), and the modules read

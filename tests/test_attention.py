@@ -183,3 +183,25 @@ def test_families_with_their_own_attention_say_so(case):
     with pytest.raises(ValueUnavailable, match="its own code"):
         model.enable_attention_values()
     assert "its own code" in str(model.availability(0)["self_attn.attention_probabilities"])
+
+
+def test_two_wrappers_of_one_model_keep_their_own_attention_setting():
+    """Turning the values on in one wrapper changes neither the bare model nor another wrapper of it."""
+    hf = build_tiny(CASES["llama"][0]())
+    own = hf.config._attn_implementation
+    with_values = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(), attention_values=True)
+    without = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())
+    assert hf.config._attn_implementation == own
+    with torch.no_grad(), with_values.trace(IDS):
+        probs = with_values.layers[1].self_attn.attention_probabilities.save()
+    assert hf.config._attn_implementation == own
+    with pytest.raises(ValueUnavailable, match="attention_values=True"):
+        with without.trace(IDS):
+            without.layers[1].self_attn.attention_probabilities.save()
+    with_values.disable_attention_values()
+    without.enable_attention_values()
+    with torch.no_grad(), without.trace(IDS):
+        again = without.layers[1].self_attn.attention_probabilities.save()
+    assert torch.equal(probs, again) and hf.config._attn_implementation == own
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=IDS).logits, eager_logits(hf)) or own != "eager"
