@@ -112,6 +112,11 @@ class At:
             shape = (*shape[:2], num_heads, width // num_heads)
         return tuple(shape)
 
+    def _view(self, tensor, block_envoy, num_heads: int):
+        if self.heads or self.unflatten:
+            tensor = tensor.view(self._view_shape(block_envoy, tensor.shape, num_heads))
+        return tensor.transpose(1, 2) if self.heads_first else tensor
+
     @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
@@ -119,8 +124,9 @@ class At:
 
     def read(self, block_envoy, num_heads: int):
         envoy = self.envoy(block_envoy)
-        if not self._derived:
-            return self._raw(envoy)
+        # a view needs handing back only for gradients (edits in place reach the model through the storage)
+        if not (self.copy or (self._derived and torch.is_grad_enabled())):
+            return self._view(self._raw(envoy), block_envoy, num_heads)
         from nnsight.intervention.eproperty import WriteBack
         from nnsight.intervention.interleaver import Mediator
 
@@ -129,11 +135,7 @@ class At:
         occurrence = mediator.wanted(location)
         raw = self._container(envoy)
         tensor = self._element(raw)
-        value = tensor.clone() if self.copy else tensor
-        if self.heads or self.unflatten:
-            value = value.view(self._view_shape(block_envoy, tensor.shape, num_heads))
-        if self.heads_first:
-            value = value.transpose(1, 2)
+        value = self._view(tensor.clone() if self.copy else tensor, block_envoy, num_heads)
 
         def back():
             # What the model goes on with is derived from the reader's tensor, so gradients reach it and
