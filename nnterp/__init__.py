@@ -1,5 +1,6 @@
 """nnterp: the same names and values on every decoder family, as live nnsight tensors."""
 
+from . import legacy  # noqa: E402  (the 1.x names, installed onto the class)
 from .catalog import CATALOG, Value
 from .collection import Collection, collect
 from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
@@ -43,3 +44,18 @@ __all__ = [
     "Value",
     "ValueUnavailable",
 ]
+
+legacy.install(StandardizedTransformer)
+
+
+def __getattr__(name: str):
+    """1.x's top-level names, from their 1.x modules (imported on first use)."""
+    if name == "ModuleAccessor":
+        from .nnsight_utils import ModuleAccessor
+
+        return ModuleAccessor
+    if name == "get_rename_dict":
+        from .rename_utils import get_rename_dict
+
+        return get_rename_dict
+    raise AttributeError(f"module 'nnterp' has no attribute {name!r}")

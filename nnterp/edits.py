@@ -37,18 +37,19 @@ def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", fac
                 tensor[row, columns] += delta
 
 
-def skip_layers(model, start: int, end: int | None = None) -> None:
+def skip_layers(model, start: int, end: int | None = None, stream: torch.Tensor | None = None) -> None:
     """Inside a trace: make blocks ``start`` to ``end`` (inclusive) identities on the stream.
 
-    Block ``end + 1`` receives block ``start``'s input. Works on families whose blocks return a
-    tuple: the skipped block hands on the stream in the tuple the next block expects.
+    Block ``end + 1`` receives block ``start``'s input (or ``stream``, when given). Works on
+    families whose blocks return a tuple: the skipped block hands on the stream in the tuple the
+    next block expects.
     """
     end = start if end is None else end
     start, end = (layer_indices(model, [layer])[0] for layer in (start, end))
     if end < start:
         raise ValueError(f"skip_layers skips blocks start to end inclusive: end ({end}) is before start ({start}).")
     layers = list(range(start, end + 1))
-    stream = model.layers[layers[0]].layer_input
+    stream = model.layers[layers[0]].layer_input if stream is None else stream
     for layer in layers:
         block = model.layers[layer]
         block.skip(model.family.skip_output(stream, block) if model.family.skip_output else stream)

@@ -13,7 +13,8 @@ STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output",
 
 
 def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "layer_output",
-               position: int | None = -1, remote: bool | str = False) -> torch.Tensor:
+               position: int | None = -1, remote: bool | str = False, return_inv_logits: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token probabilities from each layer's ``value``, through ``model.project_on_vocab``.
 
     Returns ``[prompts, layers, vocab]`` at ``position`` of each prompt's own tokens (the last by
@@ -22,7 +23,8 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     ``[batch, seq, hidden]`` value: the stream (``layer_input``, ``layer_mid``, ``layer_output``)
     or a contribution (``attention_output``, ``mlp_output``). On the last layer's
     ``layer_output`` the lens is the model's own next-token distribution. The readout runs inside
-    the trace, so ``remote=True`` runs the whole lens on the remote model.
+    the trace, so ``remote=True`` runs the whole lens on the remote model. ``return_inv_logits=True``
+    (1.x) also returns the lens of the negated streams.
     """
     name = value.rpartition(".")[2]
     if name not in STREAM_VALUES:
@@ -32,15 +34,17 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
     rows = torch.arange(len(prompts))
     index = None if position is None else token_index(inputs.attention_mask, position)
+    signs = (1, -1) if return_inv_logits else (1,)
     with torch.no_grad(), model.trace(inputs, remote=remote):
         per_layer = {}
         for i in forward_order(layers):
             hidden = model.read_value(i, name)
             # one token per prompt, keeping the sequence dimension a stream readout (DeepSeek-V4) expects
             hidden = hidden if index is None else hidden[rows, index.to(hidden.device)].unsqueeze(1)
-            per_layer[i] = model.project_on_vocab(hidden).float().softmax(dim=-1).cpu()
-        probs = nnsight.save(torch.stack([per_layer[i] for i in layers], dim=1))
-    return probs if position is None else probs[:, :, 0]
+            per_layer[i] = [model.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu() for sign in signs]
+        lenses = nnsight.save([torch.stack([per_layer[i][k] for i in layers], dim=1) for k in range(len(signs))])
+    lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
+    return tuple(lenses) if return_inv_logits else lenses[0]
 
 
 def top_tokens(model, probs: torch.Tensor, k: int = 5) -> list:

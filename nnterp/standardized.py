@@ -14,7 +14,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from . import attention, edits, proof
+from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
@@ -297,19 +297,6 @@ class StandardizedTransformer(TransformersModel):
         """Inside a trace: multiply the output of ``heads`` of block ``layer`` by ``factor`` (0 ablates them)."""
         attention.scale_heads(self, layer, heads, factor)
 
-    # -- research tools as methods, and the 1.x names --------------------------------------
-    def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, token_positions=None,
-              batch_index=None, value: str = "layer_output") -> None:
-        """Inside a trace: add ``factor * steering_vector`` to ``value`` at ``layers`` (see ``interventions.add_to``)."""
-        edits.add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
-
-    def skip_layers(self, start: int, end: int | None = None) -> None:
-        """Inside a trace: blocks ``start`` to ``end`` (inclusive) pass the stream through unchanged."""
-        edits.skip_layers(self, start, end)
-
-    def skip_layer(self, layer: int) -> None:
-        self.skip_layers(layer, layer)
-
     # -- per-block values ---------------------------------------------------------------
     def block_spec(self, layer: int) -> Block:
         if not -self.num_layers <= layer < self.num_layers:
@@ -413,35 +400,6 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
-
-
-# The 1.x per-layer accessors: ``model.layers_output[i]`` is ``model.layers[i].layer_output``, and so on.
-LEGACY_VALUE_LISTS = {"layers_input": "layer_input", "layers_output": "layer_output",
-                      "attentions_output": "attention_output", "mlps_input": "mlp_input", "mlps_output": "mlp_output"}
-
-
-class ValueList:
-    """One standard value across the blocks, indexed by layer: read, assign (``values[i] = t``), iterate."""
-
-    def __init__(self, model: StandardizedTransformer, name: str):
-        self._model, self._name = model, name
-
-    def __len__(self) -> int:
-        return self._model.num_layers
-
-    def __getitem__(self, layer: int):
-        return self._model.read_value(layer, self._name)
-
-    def __setitem__(self, layer: int, value) -> None:
-        self._model.write_value(layer, self._name, value)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-
-for _alias, _name in LEGACY_VALUE_LISTS.items():
-    setattr(StandardizedTransformer, _alias, property(
-        lambda self, name=_name: ValueList(self, name), doc=f"1.x name: ``{_alias}[i]`` is the standard ``{_name}``."))
 
 
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one

@@ -88,9 +88,10 @@ class Family:
         spec = self.attention_internals
         return spec if isinstance(spec, (EagerAttention, Unavailable)) else spec(config)
 
-    def rename(self) -> dict[str, str]:
-        """nnsight aliases that give every family the same module names."""
-        names = {
+    def rename(self) -> dict[str, str | list[str]]:
+        """nnsight aliases that give every family the same module names (``model.layers`` too: the backbone
+        is ``model`` on every family, and its blocks ``model.layers``)."""
+        names: dict[str, str | list[str]] = {
             self.layers: "layers",
             self.embed_tokens: "embed_tokens",
             self.ln_final: "ln_final",
@@ -98,6 +99,12 @@ class Family:
             self.lm_head: "lm_head",
             **({self.mlp: "mlp"} if self.mlp else {}),
         }
+        backbone, _, last = self.layers.rpartition(".")
+        top = backbone.partition(".")[0]
+        if top and top != "model":
+            names[top] = "model"
+        if top and (backbone != top or last != "layers"):
+            names[self.layers] = ["layers", f"{top}.layers"]  # a dotted alias binds on the envoy its prefix names
         return {native: alias for native, alias in names.items() if native != alias}
 
 

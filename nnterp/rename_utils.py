@@ -1,0 +1,116 @@
+"""nnterp 1.x's ``nnterp.rename_utils``: the rename dict and the config readers, kept for code that imports them.
+
+nnterp 2 places modules and values with one family spec per architecture, proven on a miniature of
+the config; ``get_rename_dict()`` gives the union of those specs' aliases, for plain nnsight models.
+A custom ``RenameConfig`` is refused with what to do instead (docs: Migrating from 1.x).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+
+from .legacy import deprecated
+
+
+class RenamingError(Exception):
+    """The modules of a model could not be given the standard names."""
+
+
+class AttnProbFunction(ABC):
+    """1.x's locator of the attention probabilities; nnterp 2 reads them where each family spec says."""
+
+    @abstractmethod
+    def get_attention_prob_source(self, attention_module, return_module_source: bool = False):
+        ...
+
+    def __call__(self, attention_module, return_module_source: bool = False):
+        return self.get_attention_prob_source(attention_module, return_module_source)
+
+
+@dataclass
+class RenameConfig:
+    """1.x's custom names for an architecture; ``StandardizedTransformer`` refuses it with what to do instead."""
+
+    attn_name: str | list[str] | None = None
+    mlp_name: str | list[str] | None = None
+    ln_final_name: str | list[str] | None = None
+    lm_head_name: str | list[str] | None = None
+    model_name: str | list[str] | None = None
+    layers_name: str | list[str] | None = None
+    attn_prob_source: AttnProbFunction | None = None
+    ignore_mlp: bool | None = None
+    ignore_attn: bool | None = None
+    attn_head_config_key: str | list[str] | int | None = None
+    hidden_size_config_key: str | list[str] | int | None = None
+    vocab_size_config_key: str | list[str] | int | None = None
+
+
+class IOType(Enum):
+    INPUT = "input"
+    OUTPUT = "output"
+
+
+def get_rename_dict(rename_config: RenameConfig | None = None) -> dict[str, str | list[str]]:
+    """nnsight ``rename=`` aliases giving every covered family the standard module names (and ``rename_config``'s)."""
+    from .families import FAMILIES
+
+    deprecated("get_rename_dict()", "nnterp.families.family_of(config).rename()")
+    names: dict[str, str | list[str]] = {}
+    if rename_config is not None:
+        for alias, value in (("model", rename_config.model_name), ("layers", rename_config.layers_name),
+                             ("self_attn", rename_config.attn_name), ("mlp", rename_config.mlp_name),
+                             ("ln_final", rename_config.ln_final_name), ("lm_head", rename_config.lm_head_name)):
+            for native in [value] if isinstance(value, str) else (value or []):
+                names[native] = alias
+    for family in FAMILIES:
+        for native, alias in family.rename().items():
+            names.setdefault(native, alias)
+    return names
+
+
+def text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _config_value(model, keys: list[str], custom, raise_error: bool, what: str):
+    if isinstance(custom, int):
+        return custom
+    keys = keys + ([custom] if isinstance(custom, str) else list(custom or []))
+    config = text_config(model)
+    for key in keys:
+        if getattr(config, key, None) is not None:
+            return getattr(config, key)
+    if raise_error:
+        raise ValueError(f"No {what} config key ({', '.join(keys)}) found in {type(config).__name__}")
+    return None
+
+
+def get_num_attention_heads(model, raise_error: bool = True, rename_config: RenameConfig | None = None) -> int | None:
+    deprecated("get_num_attention_heads(model)", "model.num_heads")
+    return _config_value(model, ["n_heads", "num_attention_heads", "n_head", "num_heads"],
+                         rename_config and rename_config.attn_head_config_key, raise_error, "attention head")
+
+
+def get_hidden_size(model, raise_error: bool = True, rename_config: RenameConfig | None = None) -> int | None:
+    deprecated("get_hidden_size(model)", "model.hidden_size")
+    return _config_value(model, ["hidden_size", "d_model", "n_embd"],
+                         rename_config and rename_config.hidden_size_config_key, raise_error, "hidden size")
+
+
+def get_vocab_size(model, raise_error: bool = True, rename_config: RenameConfig | None = None) -> int | None:
+    deprecated("get_vocab_size(model)", "model.vocab_size")
+    return _config_value(model, ["vocab_size", "n_vocab"], rename_config and rename_config.vocab_size_config_key,
+                         raise_error, "vocabulary size")
+
+
+def check_model_renaming(std_model, *args, **kwargs) -> None:
+    """1.x checked the renamed modules at load; nnterp 2 proves each family spec on a miniature (``validate``)."""
+    deprecated("check_model_renaming(model)", "nnterp.validation.check_identity(model)")
+    from .proof import check_identity
+
+    failed = [str(result) for result in check_identity(std_model) if not result.exact]
+    if failed:
+        raise RenamingError("; ".join(failed))
