@@ -104,13 +104,15 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
 
 def patchscope_lens(model, source_prompts=None, target_prompt=None, index_to_patch=-1, layers=None,
                     value: str = "layer_output", remote: bool | str = False, *, latents=None,
-                    target_patch_prompts=None) -> torch.Tensor:
+                    target_patch_prompts=None, layer_to_patch=None) -> torch.Tensor:
     """Next-token probabilities of ``target_prompt`` with ``value`` at ``index_to_patch`` replaced, per layer,
     by the sources' last-token ``value`` at the same layer: ``[sources, layers, vocab]``.
 
     The 1.x call, ``patchscope_lens(model, source_prompts, target_patch_prompts, layers, latents, remote)``
     with ``TargetPrompt`` objects (default: ``repeat_prompt()``), works too, with a DeprecationWarning.
     """
+    if layer_to_patch is not None:  # the 1.x README's spelling of layers
+        layers = layer_to_patch
     if target_patch_prompts is not None or latents is not None or target_prompt is None or isinstance(
             target_prompt, (TargetPrompt, TargetPromptBatch, list)):
         # the 1.x positions: (model, source_prompts, target_patch_prompts, layers, latents, remote)
@@ -307,3 +309,11 @@ def patch_object_attn_lens(model, source_prompts, target_prompts, attn_idx_patch
             layer_probs = nnsight.save(model.next_token_probs.cpu())
         probs.append(layer_probs)
     return torch.stack(probs, dim=1)
+
+
+def steer(model, layers, steering_vector: torch.Tensor, factor: float = 1.0, positions=None, token_positions=None,
+          batch_index=None) -> None:
+    """1.x's README imported ``steer`` from here: ``model.steer`` as a function (inside a trace)."""
+    from .legacy import steer as _steer
+
+    _steer(model, layers, steering_vector, factor, positions, token_positions, batch_index)

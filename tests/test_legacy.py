@@ -357,3 +357,55 @@ def test_model_names_on_every_family():
     for case in CASES:
         std = StandardizedTransformer(build_tiny(CASES[case][0]()), tokenizer=tiny_tokenizer())
         assert std.model.layers[0]._module is std.layers[0]._module, case
+
+
+# -- the 1.3.0 README's examples, as written (a 12-layer GPT-2 in place of "gpt2") -----------------------
+
+def test_the_1x_readme_examples_run(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .conftest import perturb
+
+    th.manual_seed(0)
+    perturb(GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=128, n_positions=64))
+            ).save_pretrained(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    model = StandardizedTransformer(str(tmp_path))
+    with model.trace("The Eiffel Tower is in the city of"):
+        attention_output = model.attentions_output[3]  # noqa: F841
+        mlp_output = model.mlps_output[3]  # noqa: F841
+        layer_5_output = model.layers_output[5]  # noqa: F841
+        logits = model.logits.save()
+    assert logits.shape[-1] == 128  # the example saves only the logits
+    with model.trace("Hello world"):
+        attn_out = model.attentions_output[3]  # noqa: F841
+        mlp_out = model.mlps_output[3]  # noqa: F841
+        layer_3_output = model.layers_output[3]
+        layer_5_output = model.layers_output[5]  # noqa: F841
+        model.layers_output[10] = model.layers_output[10] + layer_3_output
+        added = model.logits.save()
+    with model.trace("Hello world"):
+        plain = model.logits.save()
+    assert not th.equal(added, plain)  # the residual of layer 3 reached layer 10
+
+    from nnterp.interventions import TargetPrompt, logit_lens, patchscope_lens, steer
+
+    layer_probs = logit_lens(model, ["The capital of France is"])
+    assert layer_probs.shape == (1, 12, 128)
+    target = TargetPrompt("The capital of France is", index_to_patch=-1)
+    patchscope_probs = patchscope_lens(model, source_prompts=["The capital of England is"],
+                                       target_patch_prompts=target, layer_to_patch=10)
+    assert patchscope_probs.shape == (1, 1, 128)
+    steering_vector = th.randn(model.hidden_size)
+    with model.trace("Hello, how are you?"):
+        model.steer(layers=[5, 10], steering_vector=steering_vector, factor=1.5)
+    with model.trace(["Hello, how are you?", "Goodbye, world!"]):
+        model.steer(layers=5, steering_vector=steering_vector, token_positions=0)
+        steer(model, layers=5, steering_vector=steering_vector, batch_index=1)
+
+    prompts = [Prompt.from_strings("The capital of France is", {"target": "Paris", "other": ["London", "Madrid"]},
+                                   model.tokenizer)]
+    results = run_prompts(model, prompts)
+    assert set(results) == {"target", "other"} and results["target"].shape == (1, 1)
+    results = run_prompts(model, prompts, get_probs_func=logit_lens)
+    assert results["target"].shape == (1, 12)
