@@ -114,3 +114,52 @@ def check_model_renaming(std_model, *args, **kwargs) -> None:
     failed = [str(result) for result in check_identity(std_model) if not result.exact]
     if failed:
         raise RenamingError("; ".join(failed))
+
+
+MODEL_NAMES = ["transformer", "gpt_neox", "decoder", "language_model"]
+
+
+def expand_path_with_model(paths: list[str]) -> list[str]:
+    """1.x: each ``model.``-prefixed path also under every backbone name."""
+    return paths + [path.replace("model.", f"model.{backbone}.") for backbone in MODEL_NAMES
+                    for path in paths if path.startswith("model.")]
+
+
+def default_attn_head_config_keys() -> list[str]:
+    return ["n_heads", "num_attention_heads", "n_head", "num_heads"]
+
+
+def default_hidden_size_config_keys() -> list[str]:
+    return ["hidden_size", "d_model", "n_embd"]
+
+
+def default_vocab_size_config_keys() -> list[str]:
+    return ["vocab_size", "n_vocab"]
+
+
+def _probabilities_source(attention_module, return_module_source: bool = False):
+    """The operation whose input is the attention pattern, in the module's eager attention (as the specs read it)."""
+    from .attention import STANDARD
+
+    call = getattr(attention_module.source, STANDARD.call)
+    return call.source if return_module_source else getattr(call.source, STANDARD.probabilities)
+
+
+# 1.x's per-family locators: one place in every family that uses transformers' attention interface
+default_attention_prob_source = gpt2_attention_prob_source = gptj_attention_prob_source = _probabilities_source
+
+
+def bloom_attention_prob_source(attention_module, return_module_source: bool = False):
+    raise RenamingError("BLOOM computes attention in its own code: its probabilities are not read (see "
+                        "model.availability(i)).")
+
+
+def __getattr__(name: str):
+    """1.x's accessor classes: today's per-layer lists."""
+    from . import legacy
+
+    if name == "LayerAccessor":
+        return legacy.ValueList
+    if name == "AttentionProbabilitiesAccessor":
+        return legacy.AttentionProbabilities
+    raise AttributeError(f"module 'nnterp.rename_utils' has no attribute {name!r}")

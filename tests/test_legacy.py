@@ -409,3 +409,44 @@ def test_the_1x_readme_examples_run(tmp_path):
     assert set(results) == {"target", "other"} and results["target"].shape == (1, 1)
     results = run_prompts(model, prompts, get_probs_func=logit_lens)
     assert results["target"].shape == (1, 12)
+
+
+# every public name of nnterp 1.3.0's modules (read from its sdist), by its 1.x path
+PUBLIC_1X = {
+    "nnterp": ["StandardizedTransformer", "get_rename_dict", "ModuleAccessor"],
+    "nnterp.nnsight_utils": [
+        "get_embed_tokens", "get_layers", "get_num_layers", "get_layer", "get_layer_input", "get_layer_output",
+        "get_attention", "get_attention_output", "get_mlp", "get_mlp_output", "get_logits", "get_unembed_norm",
+        "get_unembed", "project_on_vocab", "get_next_token_probs", "set_layer_output", "ModuleAccessor",
+        "get_token_activations", "collect_last_token_activations_session", "collect_token_activations_batched",
+        "compute_next_token_probs"],
+    "nnterp.interventions": ["logit_lens", "TargetPrompt", "repeat_prompt", "it_repeat_prompt", "TargetPromptBatch",
+                             "patchscope_lens", "patchscope_generate", "patch_object_attn_lens"],
+    "nnterp.prompt_utils": ["TokenizationError", "get_first_tokens", "Prompt", "next_token_probs_unsqueeze",
+                            "run_prompts"],
+    "nnterp.utils": ["TraceTensor", "ArchitectureNotFound", "is_notebook", "display_markdown", "display_source",
+                     "DummyCache", "dummy_inputs", "try_with_scan", "unpack_tuple"],
+    "nnterp.display": ["plot_topk_tokens", "prompts_to_df"],
+    "nnterp.rename_utils": [
+        "RenamingError", "AttnProbFunction", "RenameConfig", "expand_path_with_model", "default_attn_head_config_keys",
+        "default_hidden_size_config_keys", "default_vocab_size_config_keys", "get_rename_dict", "text_config",
+        "get_num_attention_heads", "get_hidden_size", "get_vocab_size", "IOType", "LayerAccessor",
+        "bloom_attention_prob_source", "default_attention_prob_source", "gpt2_attention_prob_source",
+        "gptj_attention_prob_source", "AttentionProbabilitiesAccessor", "check_model_renaming"],
+}
+MODEL_NAMES_1X = ["layers_input", "layers_output", "attentions_output", "mlps_input", "mlps_output",
+                  "attention_probabilities", "attentions", "mlps", "attentions_input", "token_embeddings", "input_ids",
+                  "attention_mask", "input_size", "attn_probs_available", "add_prefix_false_tokenizer", "logits",
+                  "next_token_probs", "num_layers", "num_heads", "hidden_size", "vocab_size", "project_on_vocab",
+                  "get_topk_closest_tokens", "probs_to_dict", "detect_layer_output_type", "steer", "skip_layer",
+                  "skip_layers", "embed_tokens", "layers", "ln_final", "lm_head"]
+
+
+def test_every_public_1x_name_imports_from_its_1x_path():
+    import importlib
+
+    missing = [f"{module}.{name}" for module, names in PUBLIC_1X.items() for name in names
+               if not hasattr(importlib.import_module(module), name)]
+    assert not missing
+    assert not [name for name in MODEL_NAMES_1X if not hasattr(StandardizedTransformer, name)
+                and name not in ("embed_tokens", "layers", "ln_final", "lm_head")]
