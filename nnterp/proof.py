@@ -19,7 +19,7 @@ from .cache import cache_root
 from .catalog import CATALOG
 from .errors import NNterpError
 from .families import family_of
-from .families.base import SEQUENTIAL
+from .families.base import ROUTED, SEQUENTIAL
 from .miniature import miniature_config
 from .version import __version__
 
@@ -112,7 +112,7 @@ def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
 
 
 SEQ = 5
-CACHE_FORMAT = 3  # bump when what a validation records changes (3: attention read through .source)
+CACHE_FORMAT = 4  # bump when what a validation checks or records changes (4: placement checks)
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
@@ -167,6 +167,34 @@ def problems_of(model) -> list[str]:
         if not result.exact:
             problems.append(f"layer {i}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
                             + _suspects(model.block_spec(i), values))
+        problems += _placement_problems(model, i, values)
+    return problems
+
+
+def _placement_problems(model, layer: int, values) -> list[str]:
+    """What the identity alone cannot see: a value placed where another tensor of the right shape lives.
+
+    On a sequential block the stream after the attention add is ``layer_input + attention_output``;
+    the MLP is called with the output of the norm before it; a block labelled a routed mixture of
+    experts has experts, and a dense one has none.
+    """
+    block = model.block_spec(layer)
+    problems = []
+    if block.formula == SEQUENTIAL and "layer_mid" in values and not torch.equal(
+            values["layer_mid"], values["layer_input"] + values["attention_output"]):
+        problems.append(f"layer {layer}: 'layer_mid' is not layer_input + attention_output on a sequential block")
+    if "mlp_norm_output" in values and "mlp_input" in values and not torch.equal(
+            values["mlp_norm_output"], values["mlp_input"].reshape(values["mlp_norm_output"].shape)):
+        problems.append(f"layer {layer}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
+    module = model._module.get_submodule(model.block_path(layer))
+    attention = model.family.attention + "."
+    names = [name for name, _ in (*module.named_modules(), *module.named_parameters())
+             if not name.startswith(attention)]
+    has_experts = any("expert" in name or "router" in name for name in names)  # experts, or a router over them
+    labelled_routed = block.values.get("mlp_activation") is ROUTED
+    if labelled_routed != has_experts:
+        problems.append(f"layer {layer}: the spec labels the MLP {'routed' if labelled_routed else 'dense'}, but the "
+                        f"block ({type(module).__name__}) has {'experts' if has_experts else 'no experts'}")
     return problems
 
 

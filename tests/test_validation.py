@@ -137,3 +137,16 @@ def test_random_configs_validate_and_keep_the_identity(model_type, data, layers,
     for dtype in (torch.float32, torch.bfloat16):
         model = StandardizedTransformer(build_tiny(config, dtype), tokenizer=tiny_tokenizer())  # validates
         assert all(r.exact for r in check_identity(model)), config
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("cohere", "'mlp_norm_output' is not what the MLP is called with"),  # a parallel spec on a sequential block
+    ("mixtral", "labels the MLP routed, but the block .* has no experts"),  # a mixture spec on dense blocks
+])
+def test_a_spec_whose_identity_holds_but_places_a_value_wrongly_fails(monkeypatch, spec, message):
+    """The identity alone passes both (the residual adds are the same); the placement checks do not."""
+    llama = BY_MODEL_TYPE["llama"]
+    monkeypatch.setitem(registry.BY_MODEL_TYPE, "llama", dataclasses.replace(BY_MODEL_TYPE[spec], model_types=("llama",)))
+    hf = build_tiny(llama.tiny_config())
+    with pytest.raises(ValidationError, match=message):
+        StandardizedTransformer(hf, tokenizer=tiny_tokenizer())

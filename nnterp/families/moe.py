@@ -25,8 +25,18 @@ def _block(is_routed):
     return block
 
 
-def _qwen_routed(config, i):
-    return i not in (config.mlp_only_layers or []) and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+def routed_layer(config, i) -> bool:
+    """Whether block ``i`` is a routed mixture, by the config's own description of its layers (the proof
+    checks the answer against the block's modules)."""
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds:
+        return kinds[i] != "dense"
+    if getattr(config, "first_k_dense_replace", None) is not None:
+        return i >= config.first_k_dense_replace
+    if getattr(config, "decoder_sparse_step", None):
+        return (i not in (config.mlp_only_layers or []) and config.num_experts > 0
+                and (i + 1) % config.decoder_sparse_step == 0)
+    return True
 
 
 def _moe(name, model_type, is_routed, tiny_config, attention_internals=STANDARD):
@@ -40,17 +50,17 @@ def _always(config, i):
     return True
 
 
-MIXTRAL = _moe("Mixtral", "mixtral", _always, lambda: MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2))
-QWEN2_MOE = _moe("Qwen2-MoE", "qwen2_moe", _qwen_routed, lambda: Qwen2MoeConfig(
+MIXTRAL = _moe("Mixtral", "mixtral", routed_layer, lambda: MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2))
+QWEN2_MOE = _moe("Qwen2-MoE", "qwen2_moe", routed_layer, lambda: Qwen2MoeConfig(
     **_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
     decoder_sparse_step=1, mlp_only_layers=[1]))
-QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", _qwen_routed, lambda: Qwen3MoeConfig(
+QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", routed_layer, lambda: Qwen3MoeConfig(
     **_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2))
 OLMOE = _moe("OLMoE", "olmoe", _always, lambda: OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
 GPT_OSS = _moe("GPT-OSS", "gpt_oss", _always, lambda: GptOssConfig(
     **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
     layer_types=["sliding_attention", "full_attention", "sliding_attention"]), attention_internals=WITH_SINKS)
-DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", lambda config, i: i >= config.first_k_dense_replace,
+DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", routed_layer,
                    lambda: DeepseekV3Config(
                        **{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,

@@ -1,0 +1,67 @@
+"""Model types that reuse an existing family's blocks: each, built from its default config's miniature,
+gives every value and the logits of plain hooks, and keeps its family's identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer
+from nnterp.families import BY_MODEL_TYPE, SAME_BLOCKS
+from nnterp.miniature import miniature_config
+from nnterp.validation import check_identity
+
+from .conftest import perturb, tiny_tokenizer
+from .test_families import CASES, GPT2_TRUTH, IDS, LLAMA, NO_PRE_NORM, ROUTED, SHARED_NORM, hook_capture, read_all
+
+TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH}
+TYPES = [(family, model_type) for family, types in SAME_BLOCKS.items() for model_type in types]
+
+
+def build(model_type):
+    torch.manual_seed(0)
+    return perturb(AutoModelForCausalLM.from_config(miniature_config(CONFIG_MAPPING[model_type]()))).eval()
+
+
+def truth_of(family, blocks):
+    """Where each value is, by the family's module layout; a mixture block is routed when it has experts."""
+    if family in TRUTH:
+        return lambda i: TRUTH[family]
+
+    def per_block(i):
+        names = [name for name, _ in blocks[i].mlp.named_modules()]
+        return ROUTED if any("expert" in name for name in names) else LLAMA
+    return per_block
+
+
+@pytest.mark.parametrize("family, model_type", TYPES, ids=[t for _, t in TYPES])
+def test_the_type_gives_the_hooks_values(family, model_type):
+    hf = build(model_type)
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # validated on a miniature at load
+    assert model.family.name == family
+    hf.base_model_blocks = model.layers._module
+    truth = truth_of(family, hf.base_model_blocks)
+    ids = IDS % model.vocab_size
+    expected, expected_logits = hook_capture(hf, truth, ids)
+    saved, logits = read_all(model, ids)
+    assert torch.equal(logits, expected_logits)
+    compared = 0
+    for i in range(model.num_layers):
+        for name, where in truth(i).items():
+            if where is None:
+                assert (i, name) not in saved, f"layer {i}: {name} should be unavailable"
+                continue
+            got, want = saved[(i, name)], expected[(i, name)]
+            assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
+            compared += 1
+    assert compared >= 8 * model.num_layers
+    assert all(result.exact for result in check_identity(model, ids))
+
+
+def test_every_added_type_is_registered_once():
+    added = [t for _, types in SAME_BLOCKS.items() for t in types]
+    assert len(added) == len(set(added)) == 27
+    assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
+    assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
