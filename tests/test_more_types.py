@@ -21,8 +21,15 @@ TYPES = [(family, model_type) for family, types in SAME_BLOCKS.items() for model
 
 
 def build(model_type):
+    """The type's default config, made whole where checkpoints always set what the default leaves out
+    (a head size, a key-value head count), then miniaturized."""
+    config = CONFIG_MAPPING[model_type]()
+    if hasattr(config, "head_dim") and config.head_dim is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if hasattr(config, "num_key_value_heads") and config.num_key_value_heads is None:
+        config.num_key_value_heads = config.num_attention_heads
     torch.manual_seed(0)
-    return perturb(AutoModelForCausalLM.from_config(miniature_config(CONFIG_MAPPING[model_type]()))).eval()
+    return perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
 
 
 def truth_of(family, blocks):
@@ -62,6 +69,6 @@ def test_the_type_gives_the_hooks_values(family, model_type):
 
 def test_every_added_type_is_registered_once():
     added = [t for _, types in SAME_BLOCKS.items() for t in types]
-    assert len(added) == len(set(added)) == 27
+    assert len(added) == len(set(added)) == 31
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}

@@ -34,12 +34,12 @@ FAMILIES: tuple[Family, ...] = (
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
-    "Llama": ("arcee", "cwm", "ernie4_5", "exaone", "helium", "internlm3", "iquestcoder", "jais2", "ministral3",
-              "seed_oss", "youtu"),
+    "Llama": ("arcee", "cwm", "ernie4_5", "exaone", "helium", "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2",
+              "ministral", "ministral3", "nemotron", "seed_oss", "youtu"),
     "Cohere": ("cohere2",),
     "OLMo-2": ("exaone4",),
     "GPT-2": ("gpt-sw3",),
-    "Mixtral": ("aria_text", "glm4_moe_lite", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open"),
+    "Mixtral": ("aria_text", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open"),
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
                     "sarvam_moe"),
 }
