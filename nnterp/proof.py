@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import nnsight
 import torch
 
-from .attention import EagerAttention
 from .cache import cache_root
 from .catalog import CATALOG
 from .errors import NNterpError
@@ -116,8 +115,9 @@ CACHE_FORMAT = 4  # bump when what a validation checks or records changes (4: pl
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
-def validation_key(config, architecture: type) -> str:
-    """(architecture, miniature config, family spec, library versions): what a validation result depends on."""
+def validation_key(config, architecture: type, attention: bool = False) -> str:
+    """(architecture, miniature config, family spec, library versions, which proof): what a validation result
+    depends on."""
     import nnsight as _nnsight
     import transformers
 
@@ -126,7 +126,7 @@ def validation_key(config, architecture: type) -> str:
     family = family_of(config, architecture.__name__)
     spec = [(sorted(map(repr, block.values.items())), repr(block.extra), block.formula)
             for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
-    text = json.dumps([CACHE_FORMAT, architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
+    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
                        repr(spec), repr(family.attention_internals), torch.__version__, transformers.__version__,
                        _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -219,14 +219,18 @@ def _suspects(block, values) -> str:
     return "layer_mid != layer_input + attention_output, so 'self_attn.attention_output', 'layer_input' or 'layer_mid' is misplaced"
 
 
-def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True) -> dict[tuple[str, str], int]:
+def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True,
+             attention: bool = False) -> dict[tuple[str, str], int]:
     """Prove the family spec of ``architecture`` with ``config`` on a miniature; raise ``ValidationError`` if it fails.
 
     No weight is read or allocated at the real size: the miniature has the same classes and
-    options with tiny sizes. ``wrap`` is the wrapper class (``StandardizedTransformer``). Results
-    are cached per (architecture, config shape, library versions), in memory and in the cache folder.
+    options with tiny sizes. ``wrap`` is the wrapper class (``StandardizedTransformer``). With
+    ``attention=True`` the values inside the attention are proven too (when they are turned on):
+    a family whose eager attention differs on this architecture then loses only those values.
+    Results are cached per (architecture, config shape, library versions), in memory and in the
+    cache folder.
     """
-    key = validation_key(config, architecture)
+    key = validation_key(config, architecture, attention)
     marker = cache_root() / "validated" / f"{key}.json"
     if use_cache and key not in _VALIDATED:
         cached = _read_marker(marker, key)
@@ -237,7 +241,7 @@ def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True
     family = family_of(config, architecture.__name__)
     try:
         mini = wrap(build_miniature(config, architecture), tokenizer=tokenizer, validate=False,
-                                       attention_values=isinstance(family.attention_of(config.get_text_config()), EagerAttention))
+                    attention_values=attention)
         problems = problems_of(mini)
     except NNterpError:
         raise

@@ -157,6 +157,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_text_config = model.config.get_text_config()
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
+        self._nnterp_validate = validate
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -249,6 +250,15 @@ class StandardizedTransformer(TransformersModel):
         where = self.family.attention_of(self._nnterp_text_config)
         if isinstance(where, Unavailable):
             raise ValueUnavailable("self_attn.attention_probabilities", self.family.name, where.reason)
+        if self._nnterp_validate:  # proven on a miniature like the other values, once per architecture (cached)
+            try:
+                proof.validate(self._module.config, type(self._module), self.tokenizer, StandardizedTransformer,
+                               attention=True)
+            except proof.ValidationError as error:
+                raise ValueUnavailable(
+                    "self_attn.attention_probabilities", self.family.name,
+                    f"this architecture's eager attention does not compute them where the {self.family.name} spec "
+                    f"reads them (the other values are proven and available). The proof said: {error}") from None
         self._nnterp_attention_on = True
         self._place_values()
 

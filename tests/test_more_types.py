@@ -16,7 +16,7 @@ from nnterp.validation import check_identity
 from .conftest import perturb, tiny_tokenizer
 from .test_families import CASES, GPT2_TRUTH, IDS, LLAMA, NO_PRE_NORM, ROUTED, SHARED_NORM, hook_capture, read_all
 
-TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH}
+TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH, "Granite": LLAMA}
 TYPES = [(family, model_type) for family, types in SAME_BLOCKS.items() for model_type in types]
 
 
@@ -69,6 +69,20 @@ def test_the_type_gives_the_hooks_values(family, model_type):
 
 def test_every_added_type_is_registered_once():
     added = [t for _, types in SAME_BLOCKS.items() for t in types]
-    assert len(added) == len(set(added)) == 31
+    assert len(added) == len(set(added)) == 33
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "flint"])
+def test_attention_internals_that_do_not_hold_are_refused_and_the_rest_stays(model_type):
+    """Their eager attention adds sinks in its own ops: the internals' proof fails, so only they are unavailable."""
+    from nnterp import ValueUnavailable
+
+    model = StandardizedTransformer(build(model_type), tokenizer=tiny_tokenizer(256))
+    with pytest.raises(ValueUnavailable, match="does not compute them where"):
+        model.enable_attention_values()
+    ids = IDS % model.vocab_size
+    with torch.no_grad(), model.trace(ids):
+        out = model.layers[0].layer_output.save()
+    assert out.shape[:2] == ids.shape
