@@ -49,11 +49,16 @@ def get_layer_input(nn_model, layer: int) -> TraceTensor:
     return nn_model.read_value(layer, "layer_input") if _standard(nn_model) else nn_model.model.layers[layer].input
 
 
+def _value(nn_model, layer: int, name: str, native: Callable):
+    """The standard value on a StandardizedTransformer; on a plain nnsight model, what 1.x read at ``native(block)``."""
+    if _standard(nn_model):
+        return nn_model.read_value(layer, name)
+    return unpack_tuple(native(nn_model.model.layers[layer]))
+
+
 def get_layer_output(nn_model, layer: int) -> TraceTensor:
     deprecated("get_layer_output(model, i)", "model.layers[i].layer_output")
-    if _standard(nn_model):
-        return nn_model.read_value(layer, "layer_output")
-    return unpack_tuple(nn_model.model.layers[layer].output)
+    return _value(nn_model, layer, "layer_output", lambda block: block.output)
 
 
 def get_attention(nn_model, layer: int):
@@ -63,9 +68,7 @@ def get_attention(nn_model, layer: int):
 
 def get_attention_output(nn_model, layer: int) -> TraceTensor:
     deprecated("get_attention_output(model, i)", "model.layers[i].self_attn.attention_output")
-    if _standard(nn_model):
-        return nn_model.read_value(layer, "attention_output")
-    return unpack_tuple(nn_model.model.layers[layer].self_attn.output)
+    return _value(nn_model, layer, "attention_output", lambda block: block.self_attn.output)
 
 
 def get_mlp(nn_model, layer: int):
@@ -75,9 +78,7 @@ def get_mlp(nn_model, layer: int):
 
 def get_mlp_output(nn_model, layer: int) -> TraceTensor:
     deprecated("get_mlp_output(model, i)", "model.layers[i].mlp.mlp_output")
-    if _standard(nn_model):
-        return nn_model.read_value(layer, "mlp_output")
-    return unpack_tuple(nn_model.model.layers[layer].mlp.output)
+    return _value(nn_model, layer, "mlp_output", lambda block: block.mlp.output)
 
 
 def get_logits(nn_model) -> TraceTensor:
@@ -173,8 +174,7 @@ def _check_index(nn_model, idx: int) -> None:
 
 
 def _layer_output_quietly(nn_model, layer):
-    return nn_model.read_value(layer, "layer_output") if _standard(nn_model) else unpack_tuple(
-        nn_model.model.layers[layer].output)
+    return _value(nn_model, layer, "layer_output", lambda block: block.output)
 
 
 @torch.no_grad()
