@@ -19,6 +19,7 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
     model = StandardizedTransformer(model_path) if model_path else load_embedded()
     print(f"Loaded {model_path or NAME} ({model.family.name}, {model.num_layers} layers, "
           f"hidden {model.hidden_size}) in {time.perf_counter() - start:.1f} s\n")
+    model.block_spec(layer)  # a clear error for a layer the model does not have, before any trace
 
     print(f"The residual stream of block {layer}, for {prompt!r}:")
     with torch.no_grad(), model.trace(prompt):
@@ -128,6 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     docs = commands.add_parser("docs", help="regenerate the family, names, availability and layer pages")
     docs.add_argument("--folder", default="docs")
     args = parser.parse_args(argv)
+    if args.command == "lens" and not args.prompt.strip():
+        parser.error("lens: --prompt is empty: give the text to read, e.g. --prompt 'The Eiffel Tower is in'")
+    try:
+        _run(args)
+    except (OSError, ValueError, IndexError, TypeError) as error:  # what a user's input can cause: one line, exit 2
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        parser.exit(2, f"python -m nnterp {args.command}: error: {first}\n")
+
+
+def _run(args) -> None:
     if args.command == "docs":
         from pathlib import Path
 

@@ -58,7 +58,14 @@ def top_tokens(model, probs: torch.Tensor, k: int = 5) -> list:
 def _lens_table(model, probs: torch.Tensor, target: str | None = None, k: int = 3) -> str:
     """One prompt's lens ``[layers, vocab]`` as a text table (used by the CLI and the demo)."""
     lines = []
-    target_id = model.tokenizer.encode(target, add_special_tokens=False)[0] if target else None
+    target_id = None
+    if target:
+        ids = model.tokenizer.encode(target, add_special_tokens=False)
+        if len(ids) != 1:
+            pieces = [model.tokenizer.decode([i]) for i in ids]
+            raise ValueError(f"The target {target!r} is {len(ids)} tokens {pieces}: follow one token, e.g. "
+                             f"{pieces[0]!r} (a word after a space usually starts with the space, e.g. ' Paris').")
+        target_id = ids[0]
     header = f"  {'layer':>5}  " + (f"{'P(' + repr(target) + ')':>12}  {'rank':>6}  " if target else "") + f"top-{k}"
     lines.append(header)
     for i, (p, top) in enumerate(zip(probs, top_tokens(model, probs, k))):

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.modeling.transformers import TransformersModel
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -327,13 +327,23 @@ class StandardizedTransformer(TransformersModel):
 
     def read_value(self, layer: int, name: str) -> torch.Tensor:
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
-        return self.read_at(layer, self.location(layer, name))
+        return self.read_at(layer, self.location(layer, name), value_named(name).key)
 
-    def read_at(self, layer: int, location: At) -> torch.Tensor:
+    def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
         """Inside a trace: the tensor at ``location`` of block ``layer``."""
         block = self.layers[layer]
         self._begin_pass(block)
-        return location.read(block, self.num_heads)
+        try:
+            return location.read(block, self.num_heads)
+        except OutOfOrderError as error:
+            raise self._out_of_order(layer, key or location.describe(), error) from None
+
+    def _out_of_order(self, layer: int, key: str, error: Exception) -> OutOfOrderError:
+        """nnsight's error, in the standard names: which value, and the order to read a block's values in."""
+        return OutOfOrderError(
+            f"layers[{layer % self.num_layers}].{key} was requested, but the model already ran past it: read a "
+            f"block's values in forward order (model.order({layer}) lists them) and the blocks in order. ({error})"
+        )
 
     def _begin_pass(self, block) -> None:
         """Before the first value of a forward pass (per invoke and generation step): instrument the modules
@@ -360,7 +370,10 @@ class StandardizedTransformer(TransformersModel):
         location = self.location(layer, name)
         block = self.layers[layer]
         self._begin_pass(block)
-        location.write(block, value, self.num_heads, value_named(name).key)
+        try:
+            location.write(block, value, self.num_heads, value_named(name).key)
+        except OutOfOrderError as error:
+            raise self._out_of_order(layer, value_named(name).key, error) from None
 
     def availability(self, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""

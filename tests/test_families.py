@@ -384,7 +384,7 @@ def test_order_is_the_forward_order(case):
 
 def test_out_of_order_read_raises():
     model, *_ = make("llama", torch.float32)
-    with pytest.raises(OutOfOrderError):
+    with pytest.raises(OutOfOrderError, match=r"layers\[1\]\.layer_input was requested.*model\.order\(1\)"):
         with model.trace(IDS):
             model.layers[1].mlp.mlp_output.save()
             model.layers[1].layer_input.save()

@@ -1,0 +1,34 @@
+"""The command line: a wrong input is one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from nnterp.__main__ import main
+from nnterp.families import BY_MODEL_TYPE
+
+from .conftest import build_tiny, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli-model")
+    build_tiny(BY_MODEL_TYPE["llama"].tiny_config()).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "/nonexistent/folder"], "check: error: Could not load '/nonexistent/folder'"),
+    (["lens", "--model", "{folder}", "--prompt", ""], "lens: --prompt is empty"),
+    (["lens", "--model", "{folder}", "--prompt", "the cat", "--target", "cat sat", "--plot", ""],
+     "lens: error: The target 'cat sat' is 2 tokens"),
+    (["demo", "--model", "{folder}", "--layer", "99", "--plot", ""], "demo: error: Layer 99 is out of range"),
+])
+def test_a_wrong_input_is_one_line_and_exit_code_2(folder, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(folder=folder) for arg in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
+    assert len([line for line in err if "error" in line]) == 1
