@@ -1,4 +1,4 @@
-"""mkdocs hook: publish every page's Markdown source beside its HTML (``page/index.md``)."""
+"""mkdocs hooks: publish every page's Markdown source beside its HTML (``page/index.md``); list every family page."""
 
 import shutil
 from pathlib import Path
@@ -11,3 +11,13 @@ def on_post_page(output, page, config):
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
     return output
+
+
+def on_config(config):
+    """Every generated family page in the navigation, under Documentation, after the families index."""
+    docs = Path(config["docs_dir"])
+    families = sorted(p.relative_to(docs).as_posix() for p in (docs / "families").glob("*.md") if p.name != "index.md")
+    for section in config["nav"]:
+        if isinstance(section, dict) and "Documentation" in section:
+            section["Documentation"] = ["families/index.md", *families]
+    return config

@@ -53,3 +53,6 @@ def test_site_builds_strictly(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "site" / "residual-stream" / "index.md").is_file()  # each page as plain Markdown too
     assert (tmp_path / "site" / "families" / "gpt-2" / "index.html").is_file()
+    navigation = (tmp_path / "site" / "index.html").read_text()  # every family page is in the navigation
+    assert all(f"families/{path.stem}/" in navigation for path in (DOCS / "families").glob("*.md")
+               if path.name != "index.md")
