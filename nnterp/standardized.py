@@ -37,6 +37,20 @@ class Availability:
         return self.location if self.available else f"unavailable: {self.reason}"
 
 
+class AvailabilityTable(dict):
+    """``{value: Availability}``, printed as a table, one value a line (reasons shortened; ``str(entry)`` has all)."""
+
+    def __repr__(self) -> str:
+        width = max(map(len, self), default=0)
+
+        def short(entry: Availability) -> str:
+            text = str(entry)
+            return text if len(text) <= 100 else text[:97] + "..."
+        return "\n".join(f"{key:<{width}}  {short(entry)}" for key, entry in self.items())
+
+    __str__ = __repr__
+
+
 def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kwargs: dict):
     """Config, tokenizer and validation, before any weight: (config, architecture, tokenizer, validated events)."""
     local = os.path.isdir(name)
@@ -378,7 +392,7 @@ class StandardizedTransformer(TransformersModel):
     def availability(self, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""
         block = self.block_spec(layer)
-        result = {}
+        result = AvailabilityTable()
         for value in CATALOG:
             location = block.resolve(value.name)
             if isinstance(location, Unavailable):

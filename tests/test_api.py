@@ -195,3 +195,10 @@ def test_envoys_declare_exactly_the_catalog():
     for envoy, owners in ((BlockEnvoy, ["block"]), (AttentionEnvoy, ["self_attn"]), (MLPEnvoy, ["mlp"]),
                           (BlockWithMLPEnvoy, ["block", "mlp"])):
         assert standard_values(envoy) == {v.name for owner in owners for v in values_of(owner)}
+
+
+def test_availability_prints_one_value_a_line(llama):
+    table = llama.availability(1)
+    lines = repr(table).splitlines()
+    assert len(lines) == len(table) and all(len(line) < 140 for line in lines)
+    assert lines[0].startswith("layer_input") and "self_attn.queries" in repr(table)
