@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     checker = commands.add_parser("check", help="where every value of a model is read, and whether the spec holds")
     checker.add_argument("model", help="a local model folder, a hub name, or 'embedded'")
     docs = commands.add_parser("docs", help="regenerate the family, names, availability and layer pages")
-    docs.add_argument("--folder", default="docs")
+    docs.add_argument("--folder", default=None,
+                      help="where to write them (default: the docs/ folder of the checkout nnterp is installed from)")
     args = parser.parse_args(argv)
     if args.command == "lens" and not args.prompt.strip():
         parser.error("lens: --prompt is empty: give the text to read, e.g. --prompt 'The Eiffel Tower is in'")
@@ -144,7 +145,10 @@ def _run(args) -> None:
 
         from .documentation import write
 
-        print(f"wrote {len(write(Path(args.folder)))} pages under {args.folder}/")
+        folder = Path(args.folder) if args.folder else Path(__file__).resolve().parent.parent / "docs"
+        if not args.folder and not (folder.parent / "mkdocs.yml").is_file():
+            raise ValueError("nnterp is not installed from a checkout with a docs/ folder: pass --folder FOLDER.")
+        print(f"wrote {len(write(folder))} pages under {folder}/")
         return
     if args.command == "check":
         sys.exit(check(args.model))

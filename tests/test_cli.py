@@ -32,3 +32,9 @@ def test_a_wrong_input_is_one_line_and_exit_code_2(folder, capsys, argv, message
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
     assert len([line for line in err if "error" in line]) == 1
+
+
+def test_docs_writes_into_the_given_folder_or_the_checkouts(tmp_path, capsys):
+    main(["docs", "--folder", str(tmp_path / "site-pages")])
+    assert (tmp_path / "site-pages" / "families" / "llama.md").is_file()
+    assert "pages under" in capsys.readouterr().out
