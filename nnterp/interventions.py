@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import nnsight
 import torch
+from tqdm.auto import tqdm
 
 from .edits import Positions, add_to, skip_layers  # noqa: F401  (add_to, skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
@@ -71,7 +72,7 @@ def target_probability(token: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def activation_patching(model, clean: str, corrupted: str, metric: Callable[[torch.Tensor], torch.Tensor],
                         value: str = "layer_output", layers=None, positions: Sequence[int] | None = None,
-                        remote: bool | str = False) -> torch.Tensor:
+                        remote: bool | str = False, progress: bool = True) -> torch.Tensor:
     """Patch ``value`` from the clean run into the corrupted one, one (layer, position) at a time.
 
     Returns ``metric`` of the patched runs as a ``[layers, positions]`` tensor. The two prompts
@@ -89,7 +90,8 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
         sources = nnsight.save({layer: model.read_value(layer, name) for layer in forward_order(layers)})
     effects = torch.empty(len(layers), len(positions))
     batch = corrupted_ids.repeat(len(positions), 1)
-    for row, layer in enumerate(layers):  # the rows in the order asked for
+    rows = tqdm(list(enumerate(layers)), desc="patching", unit="layer", disable=not progress or len(layers) < 2)
+    for row, layer in rows:  # the rows in the order asked for
         source = sources[layer]
         with torch.no_grad(), model.trace(batch, remote=remote):
             target = model.read_value(layer, name)
