@@ -172,6 +172,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
+        self._nnterp_num_heads = self._nnterp_text_config.num_attention_heads  # read on every value: kept
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -213,7 +214,7 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def num_heads(self) -> int:
-        return self._nnterp_text_config.num_attention_heads
+        return self._nnterp_num_heads
 
     @property
     def vocab_size(self) -> int:
@@ -306,6 +307,7 @@ class StandardizedTransformer(TransformersModel):
         """Every block's values (the attention internals as they are on or off), and the modules read
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
+        self._nnterp_resolved: dict[tuple[int, str], tuple[At, str]] = {}
         self._nnterp_blocks = tuple(dataclasses.replace(block, values={**block.values, **where})
                                     for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
@@ -341,7 +343,15 @@ class StandardizedTransformer(TransformersModel):
 
     def read_value(self, layer: int, name: str) -> torch.Tensor:
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
-        return self.read_at(layer, self.location(layer, name), value_named(name).key)
+        return self.read_at(layer, *self._resolved(layer, name))
+
+    def _resolved(self, layer: int, name: str) -> tuple[At, str]:
+        """(location, key) of a value of a block, resolved once (a value's place is fixed until the attention
+        values are turned on or off); an unavailable value raises every time."""
+        found = self._nnterp_resolved.get((layer, name))
+        if found is None:
+            found = self._nnterp_resolved[(layer, name)] = (self.location(layer, name), value_named(name).key)
+        return found
 
     def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
         """Inside a trace: the tensor at ``location`` of block ``layer``."""
@@ -381,13 +391,13 @@ class StandardizedTransformer(TransformersModel):
 
     def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
         """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
-        location = self.location(layer, name)
+        location, key = self._resolved(layer, name)
         block = self.layers[layer]
         self._begin_pass(block)
         try:
-            location.write(block, value, self.num_heads, value_named(name).key)
+            location.write(block, value, self.num_heads, key)
         except OutOfOrderError as error:
-            raise self._out_of_order(layer, value_named(name).key, error) from None
+            raise self._out_of_order(layer, key, error) from None
 
     def availability(self, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""
