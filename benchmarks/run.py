@@ -11,7 +11,7 @@ Prints ratios measured in one run (absolute times vary between machines):
 - activation collection over 2,000 prompts: prompts/s and peak memory against a plain batched
   forward with hooks.
 
-Usage: ``python benchmarks/run.py [--rounds 5] [--quick]``. CPU, one thread, no_grad.
+Usage: ``python benchmarks/run.py [--rounds 5] [--quick] [--grad]``. CPU, one thread, no_grad (``--grad``: autograd on).
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def hooked_floor(model, where):
                     lambda m, args, out, loc=location: kept.append(out[loc.index] if isinstance(out, tuple) else out))
 
     def run(ids):
-        kept.clear()
         model(input_ids=ids, attention_mask=torch.ones_like(ids))  # as nnsight calls it
-        return len(kept)
+        count = len(kept)
+        kept.clear()  # freed at the end of the call, as a trace frees its values: the same heap for every variant
+        return count
     return run
 
 
@@ -155,10 +156,13 @@ def transformer_lens(model):
     return run
 
 
+GRAD = False  # --grad: run every variant with autograd on, as a plain model.trace does
+
+
 def timed(variants: dict, ids, rounds: int) -> dict[str, float]:
     """Median seconds per variant; variants run in a random order within each round."""
     times = {name: [] for name in variants}
-    with torch.no_grad():
+    with torch.set_grad_enabled(GRAD):
         for fn in variants.values():
             fn(ids)  # warm up
         for _ in range(rounds):
@@ -316,10 +320,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and prompts, for a smoke run")
     parser.add_argument("--collection-child", nargs=2)
+    parser.add_argument("--grad", action="store_true", help="autograd on, as a plain trace runs (default: no_grad)")
     args = parser.parse_args()
     if args.collection_child:
         collection_child(args.collection_child[0], int(args.collection_child[1]))
         return
+    global GRAD
+    GRAD = args.grad
     rounds = 2 if args.quick else args.rounds
     print(f"nnterp benchmarks, {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__} ({torch.get_num_threads()} thread), transformers {T.__version__}, "
