@@ -69,7 +69,7 @@ def test_the_type_gives_the_hooks_values(family, model_type):
 
 def test_every_added_type_is_registered_once():
     added = [t for _, types in SAME_BLOCKS.items() for t in types]
-    assert len(added) == len(set(added)) == 33
+    assert len(added) == len(set(added)) == 34
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
 

@@ -41,7 +41,7 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "GPT-2": ("gpt-sw3",),
     "Granite": ("granite_swa",),  # its eager attention adds sinks its own way: the attention internals are refused
     "Qwen2-MoE": ("flint",),  # the same
-    "Mixtral": ("aria_text", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open"),
+    "Mixtral": ("aria_text", "ernie4_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open"),
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
                     "sarvam_moe"),
 }

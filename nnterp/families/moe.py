@@ -33,6 +33,9 @@ def routed_layer(config, i) -> bool:
         return kinds[i] != "dense"
     if getattr(config, "first_k_dense_replace", None) is not None:
         return i >= config.first_k_dense_replace
+    if getattr(config, "moe_layer_interval", None):  # ERNIE-4.5-MoE
+        end = config.moe_layer_end_index if config.moe_layer_end_index not in (None, -1) else config.num_hidden_layers
+        return (i + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= i <= end
     if getattr(config, "decoder_sparse_step", None):
         return (i not in (config.mlp_only_layers or []) and config.num_experts > 0
                 and (i + 1) % config.decoder_sparse_step == 0)
