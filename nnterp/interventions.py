@@ -127,18 +127,9 @@ def patchscope_lens(model, source_prompts=None, target_prompt=None, index_to_pat
     name = value_name(value)
     sources = [source_prompts] if isinstance(source_prompts, str) else list(source_prompts)
     layers = layer_indices(model, layers)
-    inputs = model.tokenizer(sources, return_tensors="pt", padding=True)
-    rows, last = torch.arange(len(sources)), token_index(inputs.attention_mask, -1)  # whichever side pads
-    with torch.no_grad(), model.trace(inputs, remote=remote):
-        latents = nnsight.save({layer: model.read_value(layer, name)[rows, last] for layer in forward_order(layers)})
-    probs = []
-    for layer in layers:
-        latent = latents[layer]
-        with torch.no_grad(), model.trace([target_prompt] * len(sources), remote=remote):
-            model.read_value(layer, name)[:, index_to_patch] = latent
-            layer_probs = nnsight.save(model.next_token_probs)
-        probs.append(layer_probs)  # after the trace: a remote run returns saved values, not edited lists
-    return torch.stack([p.float().cpu() for p in probs], dim=1)
+    latents = _last_token_values(model, sources, layers, remote, name)
+    return _patched_next_token_probs(model, [target_prompt] * len(sources), [index_to_patch] * len(sources), layers,
+                                     latents, remote, name).float()
 
 
 # -- nnterp 1.x's patchscope helpers -------------------------------------------------------------
@@ -224,14 +215,30 @@ class TargetPromptBatch:
         return target_prompt
 
 
-def _last_token_streams(model, prompts, layers, remote) -> torch.Tensor:
-    """``[layers, prompts, hidden]``: each layer's output at every prompt's last token (1.x's latents)."""
+def _last_token_values(model, prompts, layers, remote, name: str = "layer_output") -> torch.Tensor:
+    """``[layers, prompts, ...]``: value ``name`` at every prompt's last token (whichever side pads), on the CPU."""
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
     rows, last = torch.arange(len(prompts)), token_index(inputs.attention_mask, -1)
     with torch.no_grad(), model.trace(inputs, remote=remote):
-        read = nnsight.save({layer: model.read_value(layer, "layer_output")[rows, last].cpu()
-                             for layer in forward_order(layers)})
+        read = nnsight.save({layer: model.read_value(layer, name)[rows, last].cpu() for layer in forward_order(layers)})
     return torch.stack([read[layer] for layer in layers])
+
+
+def _patched_next_token_probs(model, prompts, indices, layers, latents, remote, name: str = "layer_output"
+                              ) -> torch.Tensor:
+    """``[prompts, layers, vocab]``: next-token probabilities with value ``name`` of row ``j`` at its own token
+    ``indices[j]`` replaced by ``latents[k][j]``, one trace per layer ``k``, on the CPU."""
+    inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
+    rows = torch.arange(len(prompts))
+    patched = torch.stack([token_index(inputs.attention_mask[j:j + 1], int(i))[0] for j, i in enumerate(indices)])
+    probs = []
+    for k, layer in enumerate(layers):
+        with torch.no_grad(), model.trace(inputs, remote=remote):
+            value = model.read_value(layer, name)
+            value[rows, patched.to(value.device)] = latents[k].to(device=value.device, dtype=value.dtype)
+            layer_probs = nnsight.save(model.next_token_probs.cpu())
+        probs.append(layer_probs)  # after the trace: a remote run returns saved values, not edited lists
+    return torch.stack(probs, dim=1)
 
 
 def _patchscope_lens_1x(model, source_prompts, target_patch_prompts, layers, latents, remote) -> torch.Tensor:
@@ -254,19 +261,8 @@ def _patchscope_lens_1x(model, source_prompts, target_patch_prompts, layers, lat
         raise ValueError(f"Number of sources ({count}) does not match number of patch prompts ({len(batch)})")
     layers = layer_indices(model, [layers] if isinstance(layers, int) else layers)
     if latents is None:
-        latents = _last_token_streams(model, source_prompts, layers, remote)
-    inputs = model.tokenizer(batch.prompts, return_tensors="pt", padding=True)
-    rows = torch.arange(count)
-    patched = torch.stack([token_index(inputs.attention_mask[i:i + 1], int(p))[0]
-                           for i, p in enumerate(batch.index_to_patch)])
-    probs = []
-    for k, layer in enumerate(layers):
-        with torch.no_grad(), model.trace(inputs, remote=remote):
-            stream = model.read_value(layer, "layer_output")
-            stream[rows, patched.to(stream.device)] = latents[k].to(device=stream.device, dtype=stream.dtype)
-            layer_probs = nnsight.save(model.next_token_probs.cpu())
-        probs.append(layer_probs)
-    return torch.stack(probs, dim=1)
+        latents = _last_token_values(model, source_prompts, layers, remote)
+    return _patched_next_token_probs(model, batch.prompts, batch.index_to_patch.tolist(), layers, latents, remote)
 
 
 def patchscope_generate(model, prompts, target_patch_prompt: TargetPrompt, max_length: int = 50, layers=None,
@@ -278,7 +274,7 @@ def patchscope_generate(model, prompts, target_patch_prompt: TargetPrompt, max_l
     deprecated("patchscope_generate(...)", "a model.generate trace patching model.layers[i].layer_output")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     layers = layer_indices(model, layers)
-    latents = _last_token_streams(model, prompts, layers, remote)
+    latents = _last_token_values(model, prompts, layers, remote)
     generations = {}
     for k, layer in enumerate(layers):
         with torch.no_grad(), model.generate([target_patch_prompt.prompt] * len(prompts), max_new_tokens=max_length,
