@@ -15,6 +15,7 @@ from .interventions import (
 )
 from .lens import logit_lens, top_tokens
 from .prompts import Prompt, first_tokens, run_prompts
+from .registry import RegistrationError, register_family, unregister_family
 from .standardized import Availability, StandardizedTransformer
 from .version import __version__
 
@@ -30,6 +31,7 @@ __all__ = [
     "logit_difference",
     "logit_lens",
     "patchscope_lens",
+    "register_family",
     "run_prompts",
     "skip_layers",
     "steered_generate",
@@ -38,9 +40,11 @@ __all__ = [
     "Availability",
     "BadAssignment",
     "NNterpError",
+    "RegistrationError",
     "StandardizedTransformer",
     "UnknownArchitecture",
     "UnsupportedConfig",
+    "unregister_family",
     "Value",
     "ValueUnavailable",
 ]

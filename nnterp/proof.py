@@ -19,6 +19,7 @@ from .catalog import CATALOG
 from .errors import NNterpError
 from .families import family_of
 from .families.base import ROUTED, SEQUENTIAL
+from .locations import At
 from .miniature import miniature_config
 from .version import __version__
 
@@ -219,6 +220,66 @@ def _suspects(block, values) -> str:
     return "layer_mid != layer_input + attention_output, so 'self_attn.attention_output', 'layer_input' or 'layer_mid' is misplaced"
 
 
+def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
+    """Every module path of the family spec that is not a module of ``model``, each named with what is there."""
+    problems = []
+
+    def check(what: str, path: str, root: torch.nn.Module, prefix: str = "") -> bool:
+        try:
+            root.get_submodule(path)
+            return True
+        except AttributeError:
+            parent = path.rpartition(".")[0]
+            while parent:
+                try:
+                    near = root.get_submodule(parent)
+                    break
+                except AttributeError:
+                    parent = parent.rpartition(".")[0]
+            else:
+                near = root
+            children = ", ".join(f"{prefix}{parent + '.' if parent else ''}{name}" for name, _ in near.named_children())
+            problems.append(f"{what} '{prefix}{path}' is not a module of {type(model).__name__} "
+                            f"(modules there: {children or 'none'})")
+            return False
+
+    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout"):
+        if getattr(family, what):
+            check(what, getattr(family, what), model)
+    if problems:
+        return problems
+    text_config = config.get_text_config()
+    for i, block in enumerate(model.get_submodule(family.layers)):
+        spec = family.block(text_config, i)
+        places = {"the attention": family.attention, **({"the MLP": family.mlp} if family.mlp else {}),
+                  **{f"'{name}'": location.path for name, location in {**spec.values, **spec.extra}.items()
+                     if isinstance(location, At) and location.path}}
+        for what, path in places.items():
+            check(f"layer {i}: {what}", path, block, prefix=f"{family.layers}.{i}.")
+        if problems:  # the first block that misses a path says it all
+            return problems
+    return problems
+
+
+def prove(config, architecture: type, tokenizer, wrap, attention: bool = False) -> tuple[list[str], object]:
+    """(every way the family spec fails on a miniature of ``config``, the wrapped miniature or None)."""
+    family = family_of(config, architecture.__name__)
+    try:
+        model = build_miniature(config, architecture)
+    except Exception as error:  # noqa: BLE001 - a config the architecture cannot build proves nothing
+        return [f"the miniature of the config could not be built: {type(error).__name__}: {error}"], None
+    problems = missing_paths(family, config, model)
+    if problems:
+        return problems, None
+    try:
+        mini = wrap(model, tokenizer=tokenizer, validate=False, attention_values=attention)
+        return problems_of(mini), mini
+    except NNterpError as error:
+        return [f"{type(error).__name__}: {error}"], None
+    except Exception as error:  # noqa: BLE001 - any failure here means the spec is not proven
+        return [f"the miniature could not be traced: {type(error).__name__}: {error}"], None
+
+
 def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True,
              attention: bool = False) -> dict[tuple[str, str], int]:
     """Prove the family spec of ``architecture`` with ``config`` on a miniature; raise ``ValidationError`` if it fails.
@@ -239,14 +300,7 @@ def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True
     if use_cache and key in _VALIDATED:
         return _VALIDATED[key]
     family = family_of(config, architecture.__name__)
-    try:
-        mini = wrap(build_miniature(config, architecture), tokenizer=tokenizer, validate=False,
-                    attention_values=attention)
-        problems = problems_of(mini)
-    except NNterpError:
-        raise
-    except Exception as error:  # noqa: BLE001 - any failure here means the spec is not proven
-        problems = [f"the miniature could not be traced: {type(error).__name__}: {error}"]
+    problems, mini = prove(config, architecture, tokenizer, wrap, attention)
     if problems:
         raise ValidationError(
             f"The {family.name} spec does not hold on {architecture.__name__} "

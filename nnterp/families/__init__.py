@@ -7,7 +7,19 @@ import dataclasses
 from transformers import PretrainedConfig
 
 from ..errors import UnknownArchitecture
-from .base import Block, Family
+from .base import (
+    MODEL_LAYERS,
+    OWN_ATTENTION,
+    ROUTED,
+    Block,
+    Family,
+    SameAs,
+    Unavailable,
+    input,
+    output,
+    parallel_block,
+    pre_norm_block,
+)
 from .bloom import BLOOM
 from .deepseek_v4 import DEEPSEEK_V4
 from .falcon import FALCON
@@ -64,4 +76,6 @@ def family_of(config: PretrainedConfig, architecture: str | None = None) -> Fami
     return family
 
 
-__all__ = ["FAMILIES", "BY_MODEL_TYPE", "Block", "Family", "family_of"]
+# the pieces a spec is made of, for a user's own family (``nnterp.register_family``)
+__all__ = ["FAMILIES", "BY_MODEL_TYPE", "MODEL_LAYERS", "OWN_ATTENTION", "ROUTED", "Block", "Family", "SameAs",
+           "Unavailable", "family_of", "input", "output", "parallel_block", "pre_norm_block"]
