@@ -165,9 +165,37 @@ def families_index() -> str:
     return "\n".join(lines) + "\n"
 
 
+def coverage_page() -> str:
+    import transformers
+
+    from .coverage import CATEGORIES, EXCLUDED, causal_lm_types
+
+    types = causal_lm_types()
+    served = {t: f for f in FAMILIES for t in f.model_types if t in types}
+    excluded = [t for t in types if t not in served]
+    lines = [GENERATED, "# Coverage", "",
+             f"transformers {transformers.__version__} has {len(types)} causal language model types "
+             f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`). nnterp serves **{len(served)}**, each proven on a miniature "
+             f"of its config; the other **{len(excluded)}** are below, each with the reason. A type that a new "
+             "transformers adds fails the test suite until it is served or classified (`nnterp/coverage.py`); "
+             "[`register_family`](guide/custom-architecture.md) serves one yourself.", "",
+             "| | model types |", "|---|---|", f"| served | {len(served)} |"]
+    lines += [f"| {category} | {sum(EXCLUDED[t][0] == category for t in excluded)} |" for category in CATEGORIES]
+    lines += ["", "## Served", "", "| family | model types |", "|---|---|"]
+    for family in FAMILIES:
+        lines.append(f"| [{family.name}](families/{slug(family)}.md) | "
+                     + ", ".join(f"`{t}`" for t in family.model_types if t in served) + " |")
+    for category, meaning in CATEGORIES.items():
+        members = [t for t in excluded if EXCLUDED[t][0] == category]
+        if members:
+            lines += ["", f"## Not served: {category} ({len(members)})", "", meaning, "", "| model type | why |",
+                      "|---|---|"] + [f"| `{t}` | {EXCLUDED[t][1]} |" for t in members]
+    return "\n".join(lines) + "\n"
+
+
 def generated_pages() -> dict[str, str]:
     pages = {"names.md": names_page(), "availability.md": availability_page(), "layer.md": layer_page(),
-             "families/index.md": families_index()}
+             "families/index.md": families_index(), "coverage.md": coverage_page()}
     pages.update({f"families/{slug(f)}.md": family_page(f) for f in FAMILIES})
     return pages
 

@@ -1,0 +1,166 @@
+"""Which causal language models of transformers nnterp serves, and why each other one is not.
+
+Every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is either served (a family spec lists it,
+and the tests prove that spec on the type's miniature) or listed in ``EXCLUDED`` with a category
+and the reason. A type that transformers adds is neither until someone reads its blocks: the
+census test fails until it is served or classified here. The Coverage page is generated from
+this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# category -> what it means (the Coverage page's headings, in this order)
+CATEGORIES: dict[str, str] = {
+    "encoder": "An encoder with a language-model head: bidirectional BERT-style blocks whose norms come after "
+               "the residual adds, so no residual identity holds.",
+    "decoder half": "The decoder half of an encoder-decoder: its blocks cross-attend to an encoder's output, a "
+                    "third sublayer with no standard name.",
+    "recurrent": "A recurrent or state-space model: its blocks have no attention sublayer.",
+    "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
+                   "tensor): no residual identity holds.",
+    "new shape: per-layer mixer": "Needs a new shape: the sublayer that mixes tokens changes from layer to layer "
+                                  "(attention, linear attention, Mamba, convolution), at different module paths.",
+    "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
+    "new shape: topology": "Needs a new shape: a block that is not one attention and one MLP sublayer.",
+    "new shape: formula": "Needs a new shape: a residual formula whose terms are not at module boundaries.",
+    "multimodal": "An image, speech or music model whose language model is not served as such here.",
+    "package": "Needs a package that is not installed with nnterp.",
+    "not yet": "An existing shape with renamed paths or a small variant: served once its spec is written and "
+               "proven (see register_family to serve it yourself meanwhile).",
+}
+
+_BERT = ("encoder", "BERT-style encoder blocks (attention, intermediate, output), norms after the adds")
+_SEQ2SEQ = ("decoder half", "decoder blocks with encoder_attn between self-attention and the MLP")
+
+# model type -> (category, reason)
+EXCLUDED: dict[str, tuple[str, str]] = {
+    **{t: _BERT for t in ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+                          "megatron-bert", "rembert", "roberta", "roc_bert", "roformer", "xlm-roberta",
+                          "xlm-roberta-xl", "xmod")},
+    "roberta-prelayernorm": ("encoder", "a bidirectional RoBERTa encoder (pre-norm) trained as a masked LM"),
+    "xlm": ("encoder", "attention and MLP as two parallel ModuleLists, norms after the adds"),
+    "xlnet": ("encoder", "a permutation LM with two-stream relative attention"),
+    **{t: _SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
+                             "pegasus", "plbart", "trocr", "whisper")},
+    "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
+    "mamba": ("recurrent", "x + mixer(norm(x)): a selective state-space mixer, no attention"),
+    "mamba2": ("recurrent", "x + mixer(norm(x)): a Mamba-2 mixer, no attention"),
+    "falcon_mamba": ("recurrent", "Mamba blocks, no attention"),
+    "rwkv": ("recurrent", "x + time_mix + channel_mix: recurrent mixers, no attention"),
+    "xlstm": ("recurrent", "x + mLSTM + FFN: a recurrent mixer, no attention"),
+    "recurrent_gemma": ("new shape: per-layer mixer", "Griffin: recurrent temporal blocks between local-attention "
+                                                      "blocks, at temporal_block"),
+    "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
+    "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
+    **{t: ("new shape: per-layer mixer", "linear_attn on some layers, self_attn on others")
+       for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "lara_mini")},
+    "olmo_hybrid": ("new shape: per-layer mixer", "pre-norm linear_attn layers among OLMo-2 post-norm attention layers"),
+    "jamba": ("new shape: per-layer mixer", "mamba or self_attn per layer, MLP at feed_forward"),
+    "bamba": ("new shape: per-layer mixer", "mamba or self_attn per layer, MLP at feed_forward"),
+    "granitemoehybrid": ("new shape: per-layer mixer", "mamba or self_attn per layer, Granite multipliers, routed "
+                                                       "and shared MLPs summed"),
+    "lfm2": ("new shape: per-layer mixer", "conv or self_attn per layer, operator_norm / ffn_norm / feed_forward"),
+    "lfm2_moe": ("new shape: per-layer mixer", "conv or self_attn per layer, a routed feed_forward"),
+    "lfm3": ("new shape: per-layer mixer", "conv or self_attn per layer, with norms after each sublayer"),
+    "nemotron_h": ("new shape: topology", "one sublayer per block: a Mamba, attention, MLP or MoE mixer"),
+    "falcon_h1": ("new shape: topology", "Mamba and attention side by side, scaled and summed, then an MLP"),
+    "zamba": ("new shape: topology", "Mamba blocks, some with a shared transformer block fed the embeddings too"),
+    "zamba2": ("new shape: topology", "Mamba blocks, some with shared transformer blocks and LoRA adapters"),
+    "longcat_flash": ("new shape: topology", "two attention-MLP pairs per block and a shortcut MoE added at the end"),
+    "hrm_text": ("new shape: topology", "two stacks looped for several cycles: each block runs many times per pass"),
+    "granitemoeshared": ("new shape: topology", "the MLP contribution is two modules' outputs summed "
+                                                "(block_sparse_moe + shared_mlp)"),
+    "granitemoe_swa": ("new shape: topology", "as granitemoeshared, with sliding-window attention"),
+    "hy_v4": ("new shape: streams", "hyper-connections: several parallel residual streams"),
+    "qwen4_exp": ("new shape: streams", "gated hyper-connections over a widened stream, per-layer mixers"),
+    "qwen4_exp_text": ("new shape: streams", "gated hyper-connections over a widened stream, per-layer mixers"),
+    "gemma3n_text": ("new shape: streams", "AltUp's several predicted streams, a LAuReL branch and per-layer inputs"),
+    "inkling2_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs"),
+    "inkling2_loop_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs; looped layers"),
+    "reformer": ("new shape: streams", "reversible residuals over two half streams"),
+    "dory": ("new shape: formula", "nGPT's interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
+    "gpt_neox_japanese": ("new shape: formula", "the attention's bias is added inside the residual add, at no module "
+                                                "boundary"),
+    "cpmant": ("new shape: formula", "adds inside its sub-blocks over a stream with prompt tokens prepended inside "
+                                     "the model"),
+    "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
+    "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
+    "git": ("multimodal", "an image encoder with a BERT-style text decoder"),
+    "mllama": ("multimodal", "gated cross-attention layers (cross_attn) among the decoder layers"),
+    "musicgen": ("multimodal", "an audio-codebook decoder with cross-attention"),
+    "musicgen_melody": ("multimodal", "an audio-codebook decoder over [batch * codebooks, seq]"),
+    "gemma4_assistant": ("multimodal", "a speculative-decoding assistant: its layers read the target model's keys "
+                                       "and values"),
+    "gemma4_unified_assistant": ("multimodal", "a speculative-decoding assistant: its layers read the target model's "
+                                               "keys and values"),
+    "emu3": ("multimodal", "a decoder over text and image tokens; its text config is emu3_text_model"),
+    "got_ocr2": ("multimodal", "an OCR model: a Qwen2 decoder at model.language_model after a vision tower"),
+    "moss_transcribe_diarize": ("multimodal", "an audio LM: a Qwen3 decoder at model.language_model"),
+    "phi4_multimodal": ("multimodal", "a Phi-3 decoder with vision and audio embedders and LoRA adapters"),
+    "moshi": ("multimodal", "a speech-text model; its temporal transformer is a Llama layout with fc1 / fc2 MLPs"),
+    "fuyu": ("multimodal", "an image-text model: a Persimmon decoder at model.language_model"),
+    "gemma4": ("not yet", "Gemma-4 blocks at model.language_model"),
+    "gemma4_unified": ("not yet", "Gemma-4 blocks without per-layer inputs at model.language_model"),
+    "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs"),
+    "afmoe": ("not yet", "a sandwich block (pre_mlp_layernorm / post_mlp_layernorm) with a routed MLP and gated "
+                         "attention"),
+    "apertus": ("not yet", "the Llama block with norms attention_layernorm / feedforward_layernorm"),
+    "apertus1p5_text": ("not yet", "the Llama block with norms attention_layernorm / feedforward_layernorm"),
+    "persimmon": ("not yet", "the Llama block with NeoX names (dense, dense_h_to_4h / dense_4h_to_h)"),
+    "starcoder2": ("not yet", "the Llama block with MLP c_fc / act / c_proj"),
+    "glm": ("not yet", "the Llama block with MLP gate_up_proj / activation_fn"),
+    "nanochat": ("not yet", "the Llama block with MLP fc1 / activation_fn / fc2"),
+    "vaultgemma": ("not yet", "the Llama block with MLP norm pre_feedforward_layernorm"),
+    "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
+                                      "modules"),
+    "jetmoe": ("not yet", "the Llama layout with a mixture of attention heads at self_attention and a routed MLP"),
+    "llama4": ("not yet", "the Llama block with MLP feed_forward, whose routed output is flattened"),
+    "llama4_text": ("not yet", "the Llama block with MLP feed_forward, whose routed output is flattened"),
+    "inkling_text": ("not yet", "the Llama block with contributions read after short convolutions (attn_sconv, "
+                                "mlp_sconv)"),
+    "ctrl": ("not yet", "the GPT-2 block with layernorm1 / multi_head_attention / layernorm2 / ffn"),
+    "biogpt": ("not yet", "the OPT block at biogpt.layers"),
+    "xglm": ("not yet", "the OPT block at model.layers"),
+    "glm4": ("not yet", "a four-norm sandwich block (post_self_attn_layernorm, post_mlp_layernorm)"),
+    "kolibri1": ("not yet", "a four-norm sandwich block (post_self_attn_layernorm, post_mlp_layernorm), routed MLP"),
+    "flex_olmo": ("not yet", "the OLMo-2 post-norm block with a routed MLP"),
+    "cohere2_moe": ("not yet", "the Cohere parallel block with a routed MLP"),
+    "granitemoe": ("not yet", "the Granite block with a routed MLP at block_sparse_moe"),
+    "dbrx": ("not yet", "norm_attn_norm (norm, attention, norm, returning the residual and the normed stream) and "
+                        "a routed ffn"),
+    "axk1": ("not yet", "the DeepSeek-V3 block with dense layers named by other config fields"),
+    "hy_v3": ("not yet", "a routed block with a dense first layer named by other config fields"),
+    "mimo_v2_flash": ("not yet", "a routed block with a dense first layer named by other config fields"),
+    "minicpm3": ("not yet", "the Granite formula with the factor scale_depth / sqrt(layers)"),
+    "hyperclovax": ("not yet", "a sandwich block (post_norm1 / post_norm2) with Granite's residual multiplier"),
+    "beam": ("not yet", "a sandwich block with depth-scaled residual adds and a routed MLP"),
+    "bitnet": ("not yet", "the Llama block with sub-norms inside the attention and the MLP"),
+    "diffllama": ("not yet", "the Llama block with differential attention (two softmaxes)"),
+    "laguna": ("not yet", "a routed block with a dense first layer, gated attention and per-layer head counts"),
+    "axk2": ("not yet", "a routed block with gated latent attention"),
+    "dots3_note": ("not yet", "a routed block with gated latent attention and per-layer configs"),
+    "dots3_note_text": ("not yet", "a routed block with gated latent attention and per-layer configs"),
+    "kimi_linear": ("not yet", "linear and latent attention, both at self_attn, with a routed MLP"),
+    "bailing_hybrid": ("not yet", "linear and latent attention, both at self_attn, with a routed MLP"),
+    "deepseek_v2": ("not yet", "the DeepSeek-V3 block; its default config leaves topk_group unset"),
+    "dots1": ("not yet", "the DeepSeek-V3 block; its default config leaves the expert count unset"),
+    "cohere_compass_text": ("not yet", "the Cohere block; its default config lacks per-layer-type rope keys"),
+}
+
+
+def unclassified(model_types: Iterable[str], served: Iterable[str]) -> list[str]:
+    """The model types that are neither served nor classified in ``EXCLUDED``, sorted."""
+    known = set(served) | set(EXCLUDED)
+    return sorted(set(model_types) - known)
+
+
+def causal_lm_types() -> list[str]:
+    """Every causal-LM model type of the installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+__all__ = ["CATEGORIES", "EXCLUDED", "causal_lm_types", "unclassified"]

@@ -1,0 +1,37 @@
+"""The census: every causal-LM type of the installed transformers is served, or classified with a reason."""
+
+from __future__ import annotations
+
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from nnterp.coverage import CATEGORIES, EXCLUDED, unclassified
+from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
+
+from .test_families import CASES
+
+
+def test_every_causal_lm_type_is_served_or_classified():
+    types = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    served = types & set(BY_MODEL_TYPE)
+    missing = unclassified(types, served)
+    assert not missing, f"transformers has causal-LM types nnterp neither serves nor classifies: {missing}. " \
+                        "Read their blocks; serve them (nnterp/families/) or classify them in nnterp/coverage.py."
+    assert not served & set(EXCLUDED), f"served and excluded at once: {sorted(served & set(EXCLUDED))}"
+    assert set(EXCLUDED) <= types, f"classified types transformers no longer has: {sorted(set(EXCLUDED) - types)}"
+    assert all(category in CATEGORIES and len(reason) > 10 for category, reason in EXCLUDED.values())
+
+
+def test_a_type_nobody_has_read_fails_the_census():
+    types = [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "brand_new_decoder"]
+    assert unclassified(types, BY_MODEL_TYPE) == ["brand_new_decoder"]
+
+
+def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
+    """Served means tested: each type is a case of the family matrix (test_families.py, its own tiny config, against
+    hooks) or of test_more_types.py (its default config's miniature, against hooks)."""
+    cased = {config().model_type for config, *_ in CASES.values()}
+    more = {t for types in SAME_BLOCKS.values() for t in types}
+    assert {t for family in FAMILIES for t in family.model_types} == cased | more
+    assert all(t in CONFIG_MAPPING for t in cased | more)
+
