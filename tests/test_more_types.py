@@ -28,6 +28,12 @@ def build(model_type):
         config.head_dim = config.hidden_size // config.num_attention_heads
     if hasattr(config, "num_key_value_heads") and config.num_key_value_heads is None:
         config.num_key_value_heads = config.num_attention_heads
+    for name, value in (("num_experts_per_tok", 2), ("n_routed_experts", 4), ("n_shared_experts", 1)):
+        if hasattr(config, name) and getattr(config, name) is None:
+            setattr(config, name, value)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types and getattr(config, "rope_parameters", None) == {}:  # rope keyed by layer type, left empty
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in layer_types}
     torch.manual_seed(0)
     return perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
 
@@ -69,14 +75,15 @@ def test_the_type_gives_the_hooks_values(family, model_type):
 
 def test_every_added_type_is_registered_once():
     added = [t for _, types in SAME_BLOCKS.items() for t in types]
-    assert len(added) == len(set(added)) == 34
+    assert len(added) == len(set(added)) == 44
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
 
 
-@pytest.mark.parametrize("model_type", ["granite_swa", "flint"])
+@pytest.mark.parametrize("model_type", ["granite_swa", "flint", "bitnet", "diffllama", "mimo_v2_flash", "laguna", "axk2"])
 def test_attention_internals_that_do_not_hold_are_refused_and_the_rest_stays(model_type):
-    """Their eager attention adds sinks in its own ops: the internals' proof fails, so only they are unavailable."""
+    """Their attention is more than softmax(q·k)·v (sinks, sub-norms, gates, two softmaxes): the internals' proof
+    fails, so only they are unavailable."""
     from nnterp import ValueUnavailable
 
     model = StandardizedTransformer(build(model_type), tokenizer=tiny_tokenizer(256))

@@ -47,15 +47,17 @@ FAMILIES: tuple[Family, ...] = (
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "Llama": ("arcee", "cwm", "ernie4_5", "exaone", "helium", "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2",
-              "ministral", "ministral3", "nemotron", "seed_oss", "youtu"),
-    "Cohere": ("cohere2",),
+              "ministral", "ministral3", "nemotron", "seed_oss", "youtu",
+              "bitnet", "diffllama"),  # sub-norms / differential attention: their attention internals are refused
+    "Cohere": ("cohere2", "cohere_compass_text"),
     "OLMo-2": ("exaone4",),
     "GPT-2": ("gpt-sw3",),
     "Granite": ("granite_swa",),  # its eager attention adds sinks its own way: the attention internals are refused
     "Qwen2-MoE": ("flint",),  # the same
-    "Mixtral": ("aria_text", "ernie4_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open"),
+    "Mixtral": ("aria_text", "ernie4_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open",
+                "hy_v3", "mimo_v2_flash", "laguna"),  # dense layers named by mlp_layer_types; laguna gates its attention
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
-                    "sarvam_moe"),
+                    "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2"),
 }
 FAMILIES = tuple(dataclasses.replace(f, model_types=f.model_types + SAME_BLOCKS.get(f.name, ())) for f in FAMILIES)
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
