@@ -106,13 +106,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs"),
     "afmoe": ("not yet", "a sandwich block (pre_mlp_layernorm / post_mlp_layernorm) with a routed MLP and gated "
                          "attention"),
-    "apertus": ("not yet", "the Llama block with norms attention_layernorm / feedforward_layernorm"),
-    "apertus1p5_text": ("not yet", "the Llama block with norms attention_layernorm / feedforward_layernorm"),
-    "persimmon": ("not yet", "the Llama block with NeoX names (dense, dense_h_to_4h / dense_4h_to_h)"),
-    "starcoder2": ("not yet", "the Llama block with MLP c_fc / act / c_proj"),
-    "glm": ("not yet", "the Llama block with MLP gate_up_proj / activation_fn"),
-    "nanochat": ("not yet", "the Llama block with MLP fc1 / activation_fn / fc2"),
-    "vaultgemma": ("not yet", "the Llama block with MLP norm pre_feedforward_layernorm"),
     "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
                                       "modules"),
     "jetmoe": ("not yet", "the Llama layout with a mixture of attention heads at self_attention and a routed MLP"),

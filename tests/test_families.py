@@ -27,6 +27,8 @@ PRE_NORM = lambda ln1, attn, o_proj, ln2, mlp, act, down: {  # noqa: E731
 LLAMA = PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "mlp",
                  "mlp.act_fn", "mlp.down_proj")
 ROUTED = {**LLAMA, "mlp_activation": None, "mlp_neurons": None}
+APERTUS_TRUTH = PRE_NORM("attention_layernorm", "self_attn", "self_attn.o_proj", "feedforward_layernorm", "mlp",
+                         "mlp.act_fn", "mlp.down_proj")
 NEOX_SEQ = PRE_NORM("input_layernorm", "attention", "attention.dense", "post_attention_layernorm", "mlp",
                     "mlp.act", "mlp.dense_4h_to_h")
 GPT2_TRUTH = PRE_NORM("ln_1", "attn", "attn.c_proj", "ln_2", "mlp", "mlp.act", "mlp.c_proj")
@@ -130,6 +132,18 @@ CASES = {
     "smollm3": (tiny("smollm3"), LLAMA, seq, False),
     "gemma": (tiny("gemma"), LLAMA, seq, False),
     "olmo": (tiny("olmo"), LLAMA, seq, False),
+    # Llama's block under other names
+    "starcoder2": (tiny("starcoder2"), PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",
+                                                "post_attention_layernorm", "mlp", "mlp.act", "mlp.c_proj"), seq, False),
+    "glm": (tiny("glm"), PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "mlp",
+                                  "mlp.activation_fn", "mlp.down_proj"), seq, False),
+    "nanochat": (tiny("nanochat"), PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",
+                                            "post_attention_layernorm", "mlp", "mlp.activation_fn", "mlp.fc2"), seq, False),
+    "vaultgemma": (tiny("vaultgemma"), PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",
+                                                "pre_feedforward_layernorm", "mlp", "mlp.act_fn", "mlp.down_proj"), seq, False),
+    "apertus": (tiny("apertus"), APERTUS_TRUTH, seq, False),
+    "persimmon": (tiny("persimmon"), PRE_NORM("input_layernorm", "self_attn", "self_attn.dense",
+                                              "post_attention_layernorm", "mlp", "mlp.act", "mlp.dense_4h_to_h"), seq, False),
     "phi3": (tiny("phi3"), {**PRE_NORM("input_layernorm", "resid_attn_dropout", "self_attn.o_proj",
                                        "post_attention_layernorm", "mlp", "mlp.activation_fn", "mlp.down_proj"),
                             "mlp_output": ("resid_mlp_dropout", "out")}, seq, False),

@@ -14,9 +14,21 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import perturb, tiny_tokenizer
-from .test_families import CASES, GPT2_TRUTH, IDS, LLAMA, NO_PRE_NORM, ROUTED, SHARED_NORM, hook_capture, read_all
+from .test_families import (
+    APERTUS_TRUTH,
+    CASES,
+    GPT2_TRUTH,
+    IDS,
+    LLAMA,
+    NO_PRE_NORM,
+    ROUTED,
+    SHARED_NORM,
+    hook_capture,
+    read_all,
+)
 
-TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH, "Granite": LLAMA}
+TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH, "Granite": LLAMA,
+         "Apertus": APERTUS_TRUTH}
 TYPES = [(family, model_type) for family, types in SAME_BLOCKS.items() for model_type in types]
 
 
@@ -75,7 +87,7 @@ def test_the_type_gives_the_hooks_values(family, model_type):
 
 def test_every_added_type_is_registered_once():
     added = [t for _, types in SAME_BLOCKS.items() for t in types]
-    assert len(added) == len(set(added)) == 44
+    assert len(added) == len(set(added)) == 45
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
 

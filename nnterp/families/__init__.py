@@ -36,12 +36,14 @@ from .mpt import MPT
 from .opt import OPT
 from .parallel import COHERE, PHI, STABLELM
 from .phi3 import PHI3
+from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO2, OLMO3
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
     LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
+    STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON,
 )
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
@@ -50,6 +52,7 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
               "ministral", "ministral3", "nemotron", "seed_oss", "youtu",
               "bitnet", "diffllama"),  # sub-norms / differential attention: their attention internals are refused
     "Cohere": ("cohere2", "cohere_compass_text"),
+    "Apertus": ("apertus1p5_text",),
     "OLMo-2": ("exaone4",),
     "GPT-2": ("gpt-sw3",),
     "Granite": ("granite_swa",),  # its eager attention adds sinks its own way: the attention internals are refused
