@@ -113,18 +113,10 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "llama4_text": ("not yet", "the Llama block with MLP feed_forward, whose routed output is flattened"),
     "inkling_text": ("not yet", "the Llama block with contributions read after short convolutions (attn_sconv, "
                                 "mlp_sconv)"),
-    "ctrl": ("not yet", "the GPT-2 block with layernorm1 / multi_head_attention / layernorm2 / ffn"),
-    "biogpt": ("not yet", "the OPT block at biogpt.layers"),
-    "xglm": ("not yet", "the OPT block at model.layers"),
-    "glm4": ("not yet", "a four-norm sandwich block (post_self_attn_layernorm, post_mlp_layernorm)"),
-    "kolibri1": ("not yet", "a four-norm sandwich block (post_self_attn_layernorm, post_mlp_layernorm), routed MLP"),
-    "flex_olmo": ("not yet", "the OLMo-2 post-norm block with a routed MLP"),
     "cohere2_moe": ("not yet", "the Cohere parallel block with a routed MLP"),
-    "granitemoe": ("not yet", "the Granite block with a routed MLP at block_sparse_moe"),
     "dbrx": ("not yet", "norm_attn_norm (norm, attention, norm, returning the residual and the normed stream) and "
                         "a routed ffn"),
     "minicpm3": ("not yet", "the Granite formula with the factor scale_depth / sqrt(layers)"),
-    "hyperclovax": ("not yet", "a sandwich block (post_norm1 / post_norm2) with Granite's residual multiplier"),
     "beam": ("not yet", "a sandwich block with depth-scaled residual adds and a routed MLP"),
     **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
                       "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "

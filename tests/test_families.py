@@ -40,6 +40,10 @@ FALCON_SEQ = PRE_NORM("input_layernorm", "self_attention", "self_attention.dense
 SANDWICH = {**PRE_NORM("input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
                        "pre_feedforward_layernorm", "mlp", "mlp.act_fn", "mlp.down_proj"),
             "mlp_output": ("post_feedforward_layernorm", "out")}
+GLM4 = {**PRE_NORM("input_layernorm", "post_self_attn_layernorm", "self_attn.o_proj", "post_attention_layernorm", "mlp",
+                  "mlp.activation_fn", "mlp.down_proj"), "mlp_output": ("post_mlp_layernorm", "out")}
+FAIRSEQ = {**PRE_NORM("self_attn_layer_norm", "self_attn", "self_attn.out_proj", "final_layer_norm", "fc1",
+                      "activation_fn", "fc2"), "mlp_output": ("fc2", "out")}
 NO_PRE_NORM = {**SANDWICH, "attention_norm_output": None, "mlp_norm_output": None, "layer_mid": ("mlp", "in")}
 # formula(x, a, m, e): e holds the block module ("block") and the hook captures of a case's extra locations
 seq = lambda x, a, m, e: (x + a) + m  # noqa: E731
@@ -69,9 +73,11 @@ def hyper_connections(x, a, m, e):
     return mix(e["ffn_post"], e["ffn_comb"], m, mix(e["attn_post"], e["attn_comb"], a, x))
 
 
-CUSTOM_IDENTITY = {"granite", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
+CUSTOM_IDENTITY = {"granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
 CUSTOM_MID = {
     "granite": lambda x, a, block: x + a * 0.22,
+    "granitemoe": lambda x, a, block: x + a * 0.22,
+    "hyperclovax": lambda x, a, block: x + a * 0.22,
     "doge": lambda x, a, block: block.input_residual * x + a,
     "doge_moe": lambda x, a, block: block.input_residual * x + a,
 }
@@ -144,6 +150,11 @@ CASES = {
     "apertus": (tiny("apertus"), APERTUS_TRUTH, seq, False),
     "persimmon": (tiny("persimmon"), PRE_NORM("input_layernorm", "self_attn", "self_attn.dense",
                                               "post_attention_layernorm", "mlp", "mlp.act", "mlp.dense_4h_to_h"), seq, False),
+    "ctrl": (tiny("ctrl"), {**PRE_NORM("layernorm1", "dropout1", "multi_head_attention.dense", "layernorm2", "ffn",
+                                       "ffn.1", "ffn.2"), "mlp_output": ("dropout2", "out")}, seq, False),
+    # BioGPT and XGLM: OPT's block on [batch, seq, hidden]
+    "biogpt": (tiny("biogpt"), FAIRSEQ, seq, False),
+    "xglm": (tiny("xglm"), FAIRSEQ, seq, False),
     "phi3": (tiny("phi3"), {**PRE_NORM("input_layernorm", "resid_attn_dropout", "self_attn.o_proj",
                                        "post_attention_layernorm", "mlp", "mlp.activation_fn", "mlp.down_proj"),
                             "mlp_output": ("resid_mlp_dropout", "out")}, seq, False),
@@ -153,7 +164,17 @@ CASES = {
     "olmo2": (tiny("olmo2"), NO_PRE_NORM, seq, False),
     "olmo3": (tiny("olmo3"), NO_PRE_NORM, seq, False),
     "gemma3_image_text": (tiny("gemma3"), SANDWICH, seq, False),
+    "glm4": (tiny("glm4"), GLM4, seq, False),
+    "kolibri1": (tiny("kolibri1"), {**GLM4, "mlp_activation": None, "mlp_neurons": None}, seq, False),
+    "flex_olmo": (tiny("flex_olmo"), {**NO_PRE_NORM, "mlp_activation": None, "mlp_neurons": None}, seq, False),
     "granite": (tiny("granite"), LLAMA, lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
+    "granitemoe": (tiny("granitemoe"), {**PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",
+                                                   "post_attention_layernorm", "block_sparse_moe", None, None),
+                                        "mlp_activation": None, "mlp_neurons": None},
+                   lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
+    "hyperclovax": (tiny("hyperclovax"), {**LLAMA, "attention_output": ("post_norm1", "out"),
+                                          "mlp_output": ("post_norm2", "out")},
+                    lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
     # Gemma-4: per-layer input branch P and the block's layer_scalar (0.7 in the tests); MoE beside the MLP.
     "gemma4": (tiny("gemma4_text"), {**SANDWICH_ROUTED, "P": ("post_per_layer_input_norm", "out")}, gemma4, False),
     "gemma4_dense": (tiny("gemma4_text", enable_moe_block=False, hidden_size_per_layer_input=0), SANDWICH,

@@ -20,7 +20,9 @@ from .base import (
     parallel_block,
     pre_norm_block,
 )
+from .biogpt import BIOGPT, XGLM
 from .bloom import BLOOM
+from .ctrl import CTRL
 from .deepseek_v4 import DEEPSEEK_V4
 from .falcon import FALCON
 from .gated import DOGE, ZAYA
@@ -29,7 +31,7 @@ from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
-from .granite import GRANITE
+from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .moe import DEEPSEEK_V3, GPT_OSS, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
@@ -37,13 +39,14 @@ from .opt import OPT
 from .parallel import COHERE, PHI, STABLELM
 from .phi3 import PHI3
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
-from .sandwich import GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO2, OLMO3
+from .sandwich import FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
     LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
-    STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON,
+    STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
+    GRANITE_MOE, HYPERCLOVAX,
 )
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)

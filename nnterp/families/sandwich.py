@@ -1,15 +1,29 @@
-"""Norms after the sublayers: Gemma-2, Gemma-3 (text, and inside ``Gemma3ForConditionalGeneration``), OLMo-2, OLMo-3.
+"""Norms after the sublayers: Gemma-2, Gemma-3 (text, and inside ``Gemma3ForConditionalGeneration``), GLM-4,
+Kolibri-1, OLMo-2, OLMo-3, FlexOlmo.
 
 A contribution is the output of the norm after its sublayer (``post_attention_layernorm``,
 ``post_feedforward_layernorm``), not the sublayer's own return; the identity is the usual
 ``(x + a) + m``. Gemma-2/3 also norm before each sublayer (the MLP's in
 ``pre_feedforward_layernorm``). OLMo-2/3 have no norm before either sublayer: the attention
-reads ``layer_input`` and the MLP reads ``layer_mid``.
+reads ``layer_input`` and the MLP reads ``layer_mid``. GLM-4 and Kolibri-1 are Gemma-2's four norms under other names
+(``post_self_attn_layernorm`` after the attention, ``post_attention_layernorm`` before the MLP,
+``post_mlp_layernorm`` after it); Kolibri-1's MLP is a routed mixture. FlexOlmo is OLMo-2's block
+with a routed mixture for MLP.
 """
 
-from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, Olmo2Config, Olmo3Config, SiglipVisionConfig
+from transformers import (
+    FlexOlmoConfig,
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3TextConfig,
+    Glm4Config,
+    Kolibri1Config,
+    Olmo2Config,
+    Olmo3Config,
+    SiglipVisionConfig,
+)
 
-from .base import MODEL_LAYERS, Family, Unavailable, input, output, pre_norm_block, softcap_logits
+from .base import MODEL_LAYERS, ROUTED, Family, Unavailable, input, output, pre_norm_block, softcap_logits
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -24,7 +38,19 @@ def _gemma_block(config, i):
     )
 
 
-def _olmo2_block(config, i):
+_ROUTED = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED}
+
+
+def _glm4_block(config, i, routed=False):
+    return pre_norm_block(
+        input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
+        post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
+        attention_output=output("post_self_attn_layernorm"), mlp_output=output("post_mlp_layernorm"),
+        **(_ROUTED if routed else {}),
+    )
+
+
+def _olmo2_block(config, i, routed=False):
     return pre_norm_block(
         input_norm="", attention="self_attn", o_proj="self_attn.o_proj", post_norm="", mlp="mlp",
         act="mlp.act_fn", down_proj="mlp.down_proj",
@@ -35,6 +61,7 @@ def _olmo2_block(config, i):
         # the stream the MLP reads is also the residual: edits of what the MLP receives go to a copy
         layer_mid=input("mlp", shared=True), mlp_input=input("mlp", copy=True),
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
+        **(_ROUTED if routed else {}),
     )
 
 
@@ -63,3 +90,9 @@ GEMMA3_MULTIMODAL = Family(
 OLMO2 = _family("OLMo-2", "olmo2", _olmo2_block, lambda: Olmo2Config(**_SMALL))
 OLMO3 = _family("OLMo-3", "olmo3", _olmo2_block, lambda: Olmo3Config(**_SMALL, sliding_window=4,
                                                                       layer_types=_LAYER_TYPES))
+GLM4 = _family("GLM-4", "glm4", _glm4_block, lambda: Glm4Config(**_SMALL, head_dim=16, pad_token_id=0, eos_token_id=2))
+KOLIBRI1 = _family("Kolibri-1", "kolibri1", lambda config, i: _glm4_block(config, i, routed=True), lambda: Kolibri1Config(
+    **_SMALL, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+    num_experts_per_tok=2, sliding_window=4))
+FLEX_OLMO = _family("FlexOlmo", "flex_olmo", lambda config, i: _olmo2_block(config, i, routed=True),
+                    lambda: FlexOlmoConfig(**_SMALL, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2))
