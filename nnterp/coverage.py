@@ -109,8 +109,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
                                       "modules"),
     "jetmoe": ("not yet", "the Llama layout with a mixture of attention heads at self_attention and a routed MLP"),
-    "llama4": ("not yet", "the Llama block with MLP feed_forward, whose routed output is flattened"),
-    "llama4_text": ("not yet", "the Llama block with MLP feed_forward, whose routed output is flattened"),
     "inkling_text": ("not yet", "the Llama block with contributions read after short convolutions (attn_sconv, "
                                 "mlp_sconv)"),
     "cohere2_moe": ("not yet", "the Cohere parallel block with a routed MLP"),

@@ -44,6 +44,9 @@ GLM4 = {**PRE_NORM("input_layernorm", "post_self_attn_layernorm", "self_attn.o_p
                   "mlp.activation_fn", "mlp.down_proj"), "mlp_output": ("post_mlp_layernorm", "out")}
 FAIRSEQ = {**PRE_NORM("self_attn_layer_norm", "self_attn", "self_attn.out_proj", "final_layer_norm", "fc1",
                       "activation_fn", "fc2"), "mlp_output": ("fc2", "out")}
+LLAMA4_DENSE = PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "feed_forward",
+                        "feed_forward.activation_fn", "feed_forward.down_proj")
+LLAMA4_ROUTED = {**LLAMA4_DENSE, "mlp_activation": None, "mlp_neurons": None}  # mlp_output flattened: [b * s, h]
 NO_PRE_NORM = {**SANDWICH, "attention_norm_output": None, "mlp_norm_output": None, "layer_mid": ("mlp", "in")}
 # formula(x, a, m, e): e holds the block module ("block") and the hook captures of a case's extra locations
 seq = lambda x, a, m, e: (x + a) + m  # noqa: E731
@@ -191,6 +194,7 @@ CASES = {
     "gpt_oss": (tiny("gpt_oss"), ROUTED, seq, False),
     "qwen2_moe": (tiny("qwen2_moe"), lambda i: LLAMA if i == 1 else ROUTED, seq, False),  # mlp_only_layers=[1]
     "qwen3_moe": (tiny("qwen3_moe"), lambda i: ROUTED if i == 1 else LLAMA, seq, False),  # decoder_sparse_step=2
+    "llama4": (tiny("llama4_text"), lambda i: LLAMA4_ROUTED if i == 1 else LLAMA4_DENSE, seq, False),  # moe_layers=[1]
     "deepseek_v3": (tiny("deepseek_v3"), lambda i: LLAMA if i == 0 else ROUTED, seq, False),  # first_k_dense=1
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -20,6 +20,8 @@ from .test_families import (
     GPT2_TRUTH,
     IDS,
     LLAMA,
+    LLAMA4_DENSE,
+    LLAMA4_ROUTED,
     NO_PRE_NORM,
     ROUTED,
     SHARED_NORM,
@@ -56,8 +58,11 @@ def truth_of(family, blocks):
         return lambda i: TRUTH[family]
 
     def per_block(i):
-        names = [name for name, _ in blocks[i].mlp.named_modules()]
-        return ROUTED if any("expert" in name for name in names) else LLAMA
+        mlp = blocks[i].feed_forward if family == "Llama 4" else blocks[i].mlp
+        routed = any("expert" in name for name, _ in mlp.named_modules())
+        if family == "Llama 4":
+            return LLAMA4_ROUTED if routed else LLAMA4_DENSE
+        return ROUTED if routed else LLAMA
     return per_block
 
 
@@ -87,7 +92,7 @@ def test_the_type_gives_the_hooks_values(family, model_type):
 
 def test_every_added_type_is_registered_once():
     added = [t for _, types in SAME_BLOCKS.items() for t in types]
-    assert len(added) == len(set(added)) == 45
+    assert len(added) == len(set(added)) == 46
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
 

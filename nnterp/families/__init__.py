@@ -33,6 +33,7 @@ from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
+from .llama4 import LLAMA4
 from .moe import DEEPSEEK_V3, GPT_OSS, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
 from .opt import OPT
@@ -46,7 +47,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
     STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
-    GRANITE_MOE, HYPERCLOVAX,
+    GRANITE_MOE, HYPERCLOVAX, LLAMA4,
 )
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
@@ -56,6 +57,7 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
               "bitnet", "diffllama"),  # sub-norms / differential attention: their attention internals are refused
     "Cohere": ("cohere2", "cohere_compass_text"),
     "Apertus": ("apertus1p5_text",),
+    "Llama 4": ("llama4",),  # the image-text checkpoints' type: transformers builds the text model
     "OLMo-2": ("exaone4",),
     "GPT-2": ("gpt-sw3",),
     "Granite": ("granite_swa",),  # its eager attention adds sinks its own way: the attention internals are refused
