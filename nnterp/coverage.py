@@ -101,9 +101,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "phi4_multimodal": ("multimodal", "a Phi-3 decoder with vision and audio embedders and LoRA adapters"),
     "moshi": ("multimodal", "a speech-text model; its temporal transformer is a Llama layout with fc1 / fc2 MLPs"),
     "fuyu": ("multimodal", "an image-text model: a Persimmon decoder at model.language_model"),
-    "gemma4": ("not yet", "Gemma-4 blocks at model.language_model"),
-    "gemma4_unified": ("not yet", "Gemma-4 blocks without per-layer inputs at model.language_model"),
-    "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs"),
+    "gemma4": ("not yet", "Gemma-4 blocks at model.language_model; its default config varies per layer, which the "
+                          "miniature does not shrink yet"),
+    "gemma4_unified": ("not yet", "Gemma-4 blocks without per-layer inputs at model.language_model; its config "
+                                  "varies per layer, which the miniature does not shrink yet"),
+    "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs; its config varies per layer, which "
+                                       "the miniature does not shrink yet"),
     "afmoe": ("not yet", "a sandwich block (pre_mlp_layernorm / post_mlp_layernorm) with a routed MLP and gated "
                          "attention"),
     "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
@@ -111,10 +114,11 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "jetmoe": ("not yet", "the Llama layout with a mixture of attention heads at self_attention and a routed MLP"),
     "inkling_text": ("not yet", "the Llama block with contributions read after short convolutions (attn_sconv, "
                                 "mlp_sconv)"),
-    "cohere2_moe": ("not yet", "the Cohere parallel block with a routed MLP"),
     "dbrx": ("not yet", "norm_attn_norm (norm, attention, norm, returning the residual and the normed stream) and "
                         "a routed ffn"),
-    "minicpm3": ("not yet", "the Granite formula with the factor scale_depth / sqrt(layers)"),
+    "minicpm3": ("not yet", "the Granite formula with the factor scale_depth / sqrt(layers); it divides the normed "
+                            "stream by logits_scaling before the head, at no module boundary, so reading a stream out "
+                            "needs that step"),
     "beam": ("not yet", "a sandwich block with depth-scaled residual adds and a routed MLP"),
     **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
                       "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "

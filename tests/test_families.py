@@ -134,6 +134,7 @@ CASES = {
     "stablelm_parallel": (tiny("stablelm"), SHARED_NORM(LLAMA), seq, False),
     "stablelm_sequential": (tiny("stablelm", use_parallel_residual=False), LLAMA, seq, False),
     "cohere": (tiny("cohere"), SHARED_NORM(LLAMA), seq, False),
+    "cohere2_moe": (tiny("cohere2_moe"), lambda i: SHARED_NORM(LLAMA if i == 0 else ROUTED), seq, False),
     "llama": (tiny("llama"), LLAMA, seq, False),
     "mistral": (tiny("mistral"), LLAMA, seq, False),
     "qwen2": (tiny("qwen2"), LLAMA, seq, False),

@@ -1,12 +1,15 @@
-"""Parallel blocks with one shared norm on the model.layers layout: Phi, StableLM, Cohere.
+"""Parallel blocks with one shared norm on the model.layers layout: Phi, StableLM, Cohere, Cohere2-MoE.
 
 Phi sums ``(a + m) + x``; StableLM (parallel mode) and Cohere sum ``(x + a) + m``, so their
-plain sum is exact. StableLM's sequential mode is the usual pre-norm block.
+plain sum is exact. StableLM's sequential mode is the usual pre-norm block. Cohere2-MoE is
+Cohere's block with a routed mixture for MLP on the layers its ``mlp_layer_types`` marks
+sparse; Cohere and it scale the head's output by ``logit_scale``.
 """
 
-from transformers import CohereConfig, PhiConfig, StableLmConfig
+from transformers import Cohere2MoeConfig, CohereConfig, PhiConfig, StableLmConfig
 
-from .base import MODEL_LAYERS, Family, parallel_block, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, Family, parallel_block, pre_norm_block
+from .moe import routed_layer
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               vocab_size=128, max_position_embeddings=64)
@@ -30,8 +33,20 @@ PHI = _family("Phi", "phi", "model.final_layernorm", lambda config, i: parallel_
     act="mlp.activation_fn", down_proj="mlp.fc2", order="(a + m) + x"), lambda: PhiConfig(**_SMALL))
 STABLELM = _family("StableLM", "stablelm", "model.norm", _stablelm_block,
                    lambda: StableLmConfig(**_SMALL, num_key_value_heads=4, use_parallel_residual=True))
+def _cohere_block(config, i):
+    routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if routed_layer(config, i) else {}
+    return parallel_block(input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
+                          act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m", **routed)
+
+
 COHERE = _family("Cohere", "cohere", "model.norm", lambda config, i: parallel_block(
     input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
     act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m"),
     lambda: CohereConfig(**_SMALL, num_key_value_heads=2, use_qk_norm=False, logit_scale=0.5),
     logits_transform=lambda logits, config: logits * config.logit_scale)  # Cohere scales the head's output
+COHERE2_MOE = _family("Cohere2-MoE", "cohere2_moe", "model.norm", _cohere_block,
+                      lambda: Cohere2MoeConfig(**_SMALL, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                               num_experts_per_tok=2, sliding_window=4, logit_scale=0.5,
+                                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                               mlp_layer_types=["dense", "sparse", "sparse"]),
+                      logits_transform=lambda logits, config: logits * config.logit_scale)
