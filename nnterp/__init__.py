@@ -4,6 +4,7 @@ from . import legacy  # noqa: E402  (the 1.x names, installed onto the class)
 from .catalog import CATALOG, Value
 from .collection import Collection, collect
 from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
+from .inference import infer_family
 from .interventions import (
                             activation_patching,
                             add_to,
@@ -28,6 +29,7 @@ __all__ = [
     "add_to",
     "collect",
     "first_tokens",
+    "infer_family",
     "logit_difference",
     "logit_lens",
     "patchscope_lens",
