@@ -107,8 +107,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                   "varies per layer, which the miniature does not shrink yet"),
     "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs; its config varies per layer, which "
                                        "the miniature does not shrink yet"),
-    "afmoe": ("not yet", "a sandwich block (pre_mlp_layernorm / post_mlp_layernorm) with a routed MLP and gated "
-                         "attention"),
     "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
                                       "modules"),
     "jetmoe": ("not yet", "the Llama layout with a mixture of attention heads at self_attention and a routed MLP"),

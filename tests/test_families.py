@@ -42,6 +42,8 @@ SANDWICH = {**PRE_NORM("input_layernorm", "post_attention_layernorm", "self_attn
             "mlp_output": ("post_feedforward_layernorm", "out")}
 GLM4 = {**PRE_NORM("input_layernorm", "post_self_attn_layernorm", "self_attn.o_proj", "post_attention_layernorm", "mlp",
                   "mlp.activation_fn", "mlp.down_proj"), "mlp_output": ("post_mlp_layernorm", "out")}
+AFMOE = {**PRE_NORM("input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "pre_mlp_layernorm", "mlp",
+                   "mlp.act_fn", "mlp.down_proj"), "mlp_output": ("post_mlp_layernorm", "out")}
 FAIRSEQ = {**PRE_NORM("self_attn_layer_norm", "self_attn", "self_attn.out_proj", "final_layer_norm", "fc1",
                       "activation_fn", "fc2"), "mlp_output": ("fc2", "out")}
 LLAMA4_DENSE = PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "feed_forward",
@@ -170,6 +172,8 @@ CASES = {
     "gemma3_image_text": (tiny("gemma3"), SANDWICH, seq, False),
     "glm4": (tiny("glm4"), GLM4, seq, False),
     "kolibri1": (tiny("kolibri1"), {**GLM4, "mlp_activation": None, "mlp_neurons": None}, seq, False),
+    "afmoe": (tiny("afmoe"), lambda i: AFMOE if i == 0 else {**AFMOE, "mlp_activation": None, "mlp_neurons": None},
+              seq, False),  # num_dense_layers=1
     "flex_olmo": (tiny("flex_olmo"), {**NO_PRE_NORM, "mlp_activation": None, "mlp_neurons": None}, seq, False),
     "granite": (tiny("granite"), LLAMA, lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
     "granitemoe": (tiny("granitemoe"), {**PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",

@@ -1,5 +1,5 @@
 """Norms after the sublayers: Gemma-2, Gemma-3 (text, and inside ``Gemma3ForConditionalGeneration``), GLM-4,
-Kolibri-1, OLMo-2, OLMo-3, FlexOlmo.
+Kolibri-1, AfMoE, OLMo-2, OLMo-3, FlexOlmo.
 
 A contribution is the output of the norm after its sublayer (``post_attention_layernorm``,
 ``post_feedforward_layernorm``), not the sublayer's own return; the identity is the usual
@@ -7,11 +7,15 @@ A contribution is the output of the norm after its sublayer (``post_attention_la
 ``pre_feedforward_layernorm``). OLMo-2/3 have no norm before either sublayer: the attention
 reads ``layer_input`` and the MLP reads ``layer_mid``. GLM-4 and Kolibri-1 are Gemma-2's four norms under other names
 (``post_self_attn_layernorm`` after the attention, ``post_attention_layernorm`` before the MLP,
-``post_mlp_layernorm`` after it); Kolibri-1's MLP is a routed mixture. FlexOlmo is OLMo-2's block
+``post_mlp_layernorm`` after it); Kolibri-1's MLP is a routed mixture. AfMoE names them
+``post_attention_layernorm``, ``pre_mlp_layernorm`` and ``post_mlp_layernorm``; its first
+``num_dense_layers`` blocks have a dense MLP and the others a routed mixture, and its attention
+gates each head's output (a sigmoid of ``gate_proj``) before ``o_proj``. FlexOlmo is OLMo-2's block
 with a routed mixture for MLP.
 """
 
 from transformers import (
+    AfmoeConfig,
     FlexOlmoConfig,
     Gemma2Config,
     Gemma3Config,
@@ -47,6 +51,14 @@ def _glm4_block(config, i, routed=False):
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
         attention_output=output("post_self_attn_layernorm"), mlp_output=output("post_mlp_layernorm"),
         **(_ROUTED if routed else {}),
+    )
+
+
+def _afmoe_block(config, i):
+    return pre_norm_block(
+        input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", post_norm="pre_mlp_layernorm",
+        mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj", attention_output=output("post_attention_layernorm"),
+        mlp_output=output("post_mlp_layernorm"), **(_ROUTED if i >= config.num_dense_layers else {}),
     )
 
 
@@ -96,3 +108,7 @@ KOLIBRI1 = _family("Kolibri-1", "kolibri1", lambda config, i: _glm4_block(config
     num_experts_per_tok=2, sliding_window=4))
 FLEX_OLMO = _family("FlexOlmo", "flex_olmo", lambda config, i: _olmo2_block(config, i, routed=True),
                     lambda: FlexOlmoConfig(**_SMALL, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2))
+AFMOE = _family("AfMoE", "afmoe", _afmoe_block, lambda: AfmoeConfig(
+    **_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+    sliding_window=4, layer_types=_LAYER_TYPES),
+    premix_is_not_mixed_values="the attention gates each head's output (a sigmoid of gate_proj) before o_proj")
