@@ -34,7 +34,7 @@ from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
-from .moe import DEEPSEEK_V3, GPT_OSS, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
+from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
@@ -47,7 +47,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
     STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
-    GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE,
+    GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE,
 )
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)

@@ -5,11 +5,24 @@ identity is the usual ``(x + a) + m``. A routed block has no single ``mlp_activa
 ``mlp_neurons``: every token runs its own experts. Dense blocks among them (DeepSeek-V3's
 first ``first_k_dense_replace`` layers, Qwen-MoE's ``mlp_only_layers`` and
 ``decoder_sparse_step``) have both. GPT-OSS's MLP returns ``(output, router_scores)``.
+
+JetMoE routes the attention too: each token runs ``num_experts_per_tok`` experts of query and
+output projections (``self_attention.experts``) over shared keys and values, so the heads'
+outputs before one output projection (``attention_premix``) and the values inside the attention
+do not exist; its ``self_attention`` returns ``(output, weights, router_logits)``.
 """
 
-from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    DeepseekV3Config,
+    GptOssConfig,
+    JetMoeConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
-from .base import MODEL_LAYERS, ROUTED, STANDARD, WITH_SINKS, Family, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, STANDARD, WITH_SINKS, Family, Unavailable, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -68,3 +81,16 @@ DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", routed_layer,
                        **{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
+
+_ROUTED_HEADS = Unavailable("a routed mixture of attention heads: each token runs its own experts' output projections, "
+                            "so no single tensor of heads' outputs, and no single attention, exists")
+JETMOE = Family(
+    name="JetMoE", model_types=("jetmoe",), **{**MODEL_LAYERS, "attention": "self_attention"},
+    block=lambda config, i: pre_norm_block(
+        input_norm="input_layernorm", attention="self_attention", o_proj="", post_norm="post_attention_layernorm",
+        mlp="mlp", act="", down_proj="", attention_premix=_ROUTED_HEADS, mlp_activation=ROUTED, mlp_neurons=ROUTED),
+    attention_internals=_ROUTED_HEADS,
+    tiny_config=lambda: JetMoeConfig(hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16,
+                                     intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                     vocab_size=128, max_position_embeddings=64),
+)
