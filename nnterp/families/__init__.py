@@ -80,7 +80,9 @@ def family_of(config: PretrainedConfig, architecture: str | None = None) -> Fami
         raise UnknownArchitecture(
             f"No nnterp family spec covers model_type {model_type!r} ({architectures}). "
             f"Covered model types: {', '.join(sorted(BY_MODEL_TYPE))}. "
-            "Use a covered model, or wrap it with plain nnsight (nnsight.LanguageModel) meanwhile."
+            "To serve it: nnterp.register_family(spec) with its spec (docs: guide/custom-architecture.md), or "
+            "nnterp.register_family(nnterp.infer_family(config)) where its module names say enough; meanwhile "
+            "plain nnsight (nnsight.LanguageModel) wraps any model."
         )
     family.check_config(config.get_text_config())
     return family
