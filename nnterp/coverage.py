@@ -117,7 +117,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "minicpm3": ("not yet", "the Granite formula with the factor scale_depth / sqrt(layers); it divides the normed "
                             "stream by logits_scaling before the head, at no module boundary, so reading a stream out "
                             "needs that step"),
-    "beam": ("not yet", "a sandwich block with depth-scaled residual adds and a routed MLP"),
     **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
                       "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "
                       "per forward on a CPU, too slow for the suite that proves every served type")

@@ -7,6 +7,8 @@ the unwrapped HF model, and the identities are the families' own arithmetic.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
@@ -78,9 +80,20 @@ def hyper_connections(x, a, m, e):
     return mix(e["ffn_post"], e["ffn_comb"], m, mix(e["attn_post"], e["attn_comb"], a, x))
 
 
-CUSTOM_IDENTITY = {"granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
+def depth_scaled(branch, stream, k):
+    """Beam's add number k: the branch over sqrt(k), the stream times sqrt((k - 1) / k)."""
+    return branch * (1 / math.sqrt(k)) + stream * math.sqrt((k - 1) / k)
+
+
+def beam(x, a, m, e):
+    k = e["block"].attn_residual_add_idx  # 2(i + 1), the block's own count of adds
+    return depth_scaled(m, depth_scaled(a, x, k), k + 1)
+
+
+CUSTOM_IDENTITY = {"beam", "granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
 CUSTOM_MID = {
     "granite": lambda x, a, block: x + a * 0.22,
+    "beam": lambda x, a, block: depth_scaled(a, x, block.attn_residual_add_idx),
     "granitemoe": lambda x, a, block: x + a * 0.22,
     "hyperclovax": lambda x, a, block: x + a * 0.22,
     "doge": lambda x, a, block: block.input_residual * x + a,
@@ -172,6 +185,7 @@ CASES = {
     "gemma3_image_text": (tiny("gemma3"), SANDWICH, seq, False),
     "glm4": (tiny("glm4"), GLM4, seq, False),
     "kolibri1": (tiny("kolibri1"), {**GLM4, "mlp_activation": None, "mlp_neurons": None}, seq, False),
+    "beam": (tiny("beam"), lambda i: SANDWICH if i == 0 else SANDWICH_ROUTED, beam, False),  # dense, sparse, sparse
     "afmoe": (tiny("afmoe"), lambda i: AFMOE if i == 0 else {**AFMOE, "mlp_activation": None, "mlp_neurons": None},
               seq, False),  # num_dense_layers=1
     "flex_olmo": (tiny("flex_olmo"), {**NO_PRE_NORM, "mlp_activation": None, "mlp_neurons": None}, seq, False),

@@ -20,6 +20,7 @@ from .base import (
     parallel_block,
     pre_norm_block,
 )
+from .beam import BEAM
 from .biogpt import BIOGPT, XGLM
 from .bloom import BLOOM
 from .ctrl import CTRL
@@ -47,7 +48,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
     STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
-    GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE,
+    GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE, BEAM,
 )
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
