@@ -114,9 +114,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dbrx": ("not yet", "norm_attn_norm (norm, attention, norm, returning the residual and the normed stream) and "
                         "a routed ffn; its sizes live in nested attn_config / ffn_config, which the miniature does "
                         "not shrink yet"),
-    "minicpm3": ("not yet", "the Granite formula with the factor scale_depth / sqrt(layers); it divides the normed "
-                            "stream by logits_scaling before the head, at no module boundary, so reading a stream out "
-                            "needs that step"),
     **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
                       "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "
                       "per forward on a CPU, too slow for the suite that proves every served type")

@@ -233,7 +233,10 @@ class StandardizedTransformer(TransformersModel):
         norm_weight = getattr(self.ln_final._module, "weight", None)
         if norm_weight is not None and hidden.dtype != norm_weight.dtype:
             hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
-        logits = self.lm_head(self.ln_final(hidden))
+        normed = self.ln_final(hidden)
+        if family.head_input_transform:
+            normed = family.head_input_transform(normed, self._module.config)
+        logits = self.lm_head(normed)
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits

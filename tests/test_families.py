@@ -90,10 +90,11 @@ def beam(x, a, m, e):
     return depth_scaled(m, depth_scaled(a, x, k), k + 1)
 
 
-CUSTOM_IDENTITY = {"beam", "granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
+CUSTOM_IDENTITY = {"beam", "minicpm3", "granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
 CUSTOM_MID = {
     "granite": lambda x, a, block: x + a * 0.22,
     "beam": lambda x, a, block: depth_scaled(a, x, block.attn_residual_add_idx),
+    "minicpm3": lambda x, a, block: x + a * block.residual_scale,
     "granitemoe": lambda x, a, block: x + a * 0.22,
     "hyperclovax": lambda x, a, block: x + a * 0.22,
     "doge": lambda x, a, block: block.input_residual * x + a,
@@ -194,6 +195,8 @@ CASES = {
                                                    "post_attention_layernorm", "block_sparse_moe", None, None),
                                         "mlp_activation": None, "mlp_neurons": None},
                    lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
+    "minicpm3": (tiny("minicpm3"), LLAMA, lambda x, a, m, e: (x + a * e["block"].residual_scale)
+                 + m * e["block"].residual_scale, False),
     "hyperclovax": (tiny("hyperclovax"), {**LLAMA, "attention_output": ("post_norm1", "out"),
                                           "mlp_output": ("post_norm2", "out")},
                     lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),

@@ -82,6 +82,8 @@ class Family:
     # what a skipped block returns, given the stream and the block's envoy (None: the stream itself)
     skip_output: Callable | None = None
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+    # what the model does to the normed stream before the head (MiniCPM3 divides it by logits_scaling)
+    head_input_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""
