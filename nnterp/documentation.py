@@ -37,19 +37,57 @@ def _where(block: Block, name: str) -> str:
     return f"`{location.describe()}`"
 
 
-def _groups(family: Family) -> list[tuple[list[int], Block]]:
-    config = family.tiny_config().get_text_config()
-    groups: list[tuple[list[int], Block]] = []
-    for i in range(config.num_hidden_layers):
-        structure = family.block(config, i)
-        block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family, config)})
-        for layers, seen in groups:
-            if repr(sorted(seen.values.items())) == repr(sorted(block.values.items())) and seen.formula == block.formula:
-                layers.append(i)
-                break
-        else:
-            groups.append(([i], block))
-    return groups
+@dataclasses.dataclass
+class Shape:
+    """One block shape of a family: the block, a config that has it, and where (configuration, layers) it occurs."""
+
+    block: Block
+    config: object  # the (text) config of its first occurrence
+    where: list[tuple[str, list[int]]]
+
+    def title(self, shapes: list[Shape]) -> str:
+        if len(shapes) == 1:
+            return "Values"
+        configs = {label for shape in shapes for label, _ in shape.where}
+        parts = []
+        for label, layers in self.where:
+            every = len(layers) == self.config_layers(label, shapes)
+            layer_text = "" if every else f"layers {layer_ranges(layers)}"
+            parts.append(", ".join(p for p in ((label if len(configs) > 1 else ""), layer_text) if p))
+        return "Values of " + "; ".join(parts) + ("" if len(configs) > 1 else " (test config)")
+
+    @staticmethod
+    def config_layers(label: str, shapes: list[Shape]) -> int:
+        return sum(len(layers) for shape in shapes for where, layers in shape.where if where == label)
+
+
+def configs(family: Family) -> list[tuple[str, object]]:
+    """The family's documented configurations: (label, config), the test config first."""
+    result = []
+    for label, changes in family.variants or (("test config", {}),):
+        config = family.tiny_config()
+        for key, value in changes.items():
+            setattr(config, key, value)
+        result.append((label, config))
+    return result
+
+
+def shapes(family: Family) -> list[Shape]:
+    """The distinct blocks of the family over its configurations and their layers."""
+    found: list[Shape] = []
+    for label, full in configs(family):
+        config = full.get_text_config()
+        for i in range(config.num_hidden_layers):
+            structure = family.block(config, i)
+            block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family, config)})
+            shape = next((s for s in found if repr(sorted(s.block.values.items())) == repr(sorted(block.values.items()))
+                          and s.block.formula == block.formula), None)
+            if shape is None:
+                found.append(shape := Shape(block, config, []))
+            if not shape.where or shape.where[-1][0] != label:
+                shape.where.append((label, []))
+            shape.where[-1][1].append(i)
+    return found
 
 
 def family_page(family: Family) -> str:
@@ -67,16 +105,17 @@ def family_page(family: Family) -> str:
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")
                   + "the final norm and the head" + (", then the family's transform of the logits"
                                                      if family.logits_transform else "") + ".", ""]
-    for layers, block in _groups(family):
-        title = "Values" if len(_groups(family)) == 1 else f"Values of layers {layer_ranges(layers)} (test config)"
-        lines += [f"## {title}", "", "**Identity**, in the code's order of addition"
+    found = shapes(family)
+    for shape in found:
+        block = shape.block
+        lines += [f"## {shape.title(found)}", "", "**Identity**, in the code's order of addition"
                   + (" (exact, bit for bit):" if block.ulps == 0 else
                      f" (exact; the plain sum `layer_input + attention_output + mlp_output` is within {block.ulps} ulp):"),
                   "", f"```\n{block.formula}\n```", ""]
         if block.extra:
             lines += ["Other terms of the identity: " + ", ".join(
                 f"`{name}` = `{location.describe()}`" for name, location in block.extra.items()) + ".", ""]
-        if not isinstance(family.attention_of(config.get_text_config()), Unavailable):
+        if not isinstance(family.attention_of(shape.config), Unavailable):
             lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read inside "
                       "the model's eager attention once they are on: `StandardizedTransformer(..., attention_values=True)`"
                       + (f". `attention_premix` is not `attention_probabilities · values` here: "
@@ -87,6 +126,10 @@ def family_page(family: Family) -> str:
     lines += ["## Test configuration", "", "Every test of this family runs on this config, with random weights moved "
               "off 0 and 1:", "", "```python", f"{type(config).__name__}(...)  # {config.num_hidden_layers if not hasattr(config, 'text_config') else config.get_text_config().num_hidden_layers} layers, hidden {config.get_text_config().hidden_size}",
               "```", ""]
+    if family.variants:
+        lines += ["The other configurations change it: " + "; ".join(
+            f"{label}: " + ", ".join(f"`{key}={value!r}`" for key, value in changes.items())
+            for label, changes in family.variants if changes) + ".", ""]
     return "\n".join(lines)
 
 
@@ -111,57 +154,63 @@ def names_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+FAMILIES_PER_TABLE = 8  # columns of one availability table: it fits the page's width at 1280 px
+
+
+def _availability(found: list[Shape], value, reasons: dict[str, int]) -> str:
+    """One cell: ✓, ≡, ◐ or ✗ with the number of its reason (numbered in ``reasons`` as they come)."""
+    kinds = {type(shape.block.values[value.name]) for shape in found}
+    if kinds == {Unavailable}:
+        reason = next(shape.block.values[value.name].reason for shape in found)
+        return f"✗<sup>{reasons.setdefault(reason, len(reasons) + 1)}</sup>"
+    if Unavailable in kinds:
+        return "◐"
+    return "≡" if kinds == {SameAs} else "✓"
+
+
 def availability_page() -> str:
-    header = "| family | " + " | ".join(f"`{v.key}`" for v in CATALOG) + " |"
     lines = [GENERATED, "# Availability", "",
-             "Which value exists on which family (on its test config), and why not where it does not. "
-             "✓ available, ≡ the same location as another value, ✗ unavailable (reason below), "
-             "◐ available on some layers only. Reading an unavailable value raises `ValueUnavailable`, an "
-             "`AttributeError` naming the value, the family and the reason; `model.availability(i)` lists them.",
-             "", header, "|---|" + "---|" * len(CATALOG)]
+             "Which value exists on which family (over the configurations its page documents), and why not where "
+             "it does not. ✓ available, ≡ the same location as another value, ✗ unavailable (the reason is "
+             "numbered below the tables), ◐ available on some layers or configurations only (the family's page "
+             "says which). Reading an unavailable value raises `ValueUnavailable`, an `AttributeError` naming the "
+             "value, the family and the reason; `model.availability(i)` lists them.", ""]
     reasons: dict[str, int] = {}
-    for family in FAMILIES:
-        cells = []
-        groups = _groups(family)
-        for value in CATALOG:
-            kinds = {type(block.values[value.name]) for _, block in groups}
-            if kinds == {Unavailable}:
-                reason = next(block.values[value.name].reason for _, block in groups)
-                number = reasons.setdefault(reason, len(reasons) + 1)
-                cells.append(f"✗<sup>{number}</sup>")
-            elif Unavailable in kinds:
-                cells.append("◐")
-            elif kinds == {SameAs}:
-                cells.append("≡")
-            else:
-                cells.append("✓")
-        lines.append(f"| [{family.name}](families/{slug(family)}.md) | " + " | ".join(cells) + " |")
-    lines += ["", "Reasons:", ""] + [f"{n}. {reason}" for reason, n in reasons.items()]
+    found = {family.name: shapes(family) for family in FAMILIES}
+    for start in range(0, len(FAMILIES), FAMILIES_PER_TABLE):
+        chunk = FAMILIES[start:start + FAMILIES_PER_TABLE]
+        lines += [f"## {chunk[0].name} to {chunk[-1].name}", "",
+                  "| value | " + " | ".join(f"[{f.name}](families/{slug(f)}.md)" for f in chunk) + " |",
+                  "|---|" + ":-:|" * len(chunk)]
+        lines += [f"| `{value.key}` | " + " | ".join(_availability(found[f.name], value, reasons) for f in chunk) + " |"
+                  for value in CATALOG]
+        lines.append("")
+    lines += ["## Reasons", ""] + [f"{n}. {reason}" for reason, n in reasons.items()]
     return "\n".join(lines) + "\n"
 
 
 def layer_page() -> str:
     lines = [GENERATED, "# Layer", "", "The block shapes, each with its identity in the code's order of addition, "
-             "and the families that have it (on their test configs).", ""]
-    shapes: dict[str, list[str]] = {}
+             "and the families that have it (over the configurations their pages document).", ""]
+    formulas: dict[str, list[Family]] = {}
     for family in FAMILIES:
-        for _, block in _groups(family):
-            names = shapes.setdefault(block.formula, [])
-            if family.name not in names:
-                names.append(family.name)
-    for formula, names in shapes.items():
-        lines += [f"```\n{formula}\n```", "", ", ".join(
-            f"[{n}](families/{slug(next(f for f in FAMILIES if f.name == n))}.md)" for n in names), ""]
+        for shape in shapes(family):
+            names = formulas.setdefault(shape.block.formula, [])
+            if family not in names:
+                names.append(family)
+    for formula, families in formulas.items():
+        lines += [f"```\n{formula}\n```", "", ", ".join(f"[{f.name}](families/{slug(f)}.md)" for f in families), ""]
     return "\n".join(lines)
 
 
 def families_index() -> str:
     lines = [GENERATED, "# Families", "", "One page per family: where each value is read, the identity, what is "
-             "unavailable and why.", "", "| family | model types | block shapes |", "|---|---|---|"]
+             "unavailable and why. A family has more than one block shape where its layers differ (dense and "
+             "mixture-of-experts layers) or its configurations do (parallel or sequential blocks, other norms).", "",
+             "| family | model types | block shapes |", "|---|---|---|"]
     for family in FAMILIES:
-        shapes = len({block.formula for _, block in _groups(family)})
         lines.append(f"| [{family.name}]({slug(family)}.md) | {', '.join(f'`{t}`' for t in family.model_types)} | "
-                     f"{shapes} |")
+                     f"{len(shapes(family))} |")
     return "\n".join(lines) + "\n"
 
 

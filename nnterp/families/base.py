@@ -82,6 +82,9 @@ class Family:
     # what a skipped block returns, given the stream and the block's envoy (None: the stream itself)
     skip_output: Callable | None = None
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+    # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
+    # the test config first with no changes; empty where every config of the family has the same blocks
+    variants: tuple[tuple[str, dict], ...] = ()
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""
