@@ -154,7 +154,7 @@ def names_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-FAMILIES_PER_TABLE = 8  # columns of one availability table: it fits the page's width at 1280 px
+MOST_FAMILIES_PER_TABLE = 7  # columns of one availability table: it fits the page's width at 1280 px
 
 
 def _availability(found: list[Shape], value, reasons: dict[str, int]) -> str:
@@ -177,14 +177,15 @@ def availability_page() -> str:
              "value, the family and the reason; `model.availability(i)` lists them.", ""]
     reasons: dict[str, int] = {}
     found = {family.name: shapes(family) for family in FAMILIES}
-    for start in range(0, len(FAMILIES), FAMILIES_PER_TABLE):
-        chunk = FAMILIES[start:start + FAMILIES_PER_TABLE]
-        lines += [f"## {chunk[0].name} to {chunk[-1].name}", "",
+    tables = -(-len(FAMILIES) // MOST_FAMILIES_PER_TABLE)
+    for n in range(tables):  # tables of as even a size as can be
+        chunk = FAMILIES[n * len(FAMILIES) // tables:(n + 1) * len(FAMILIES) // tables]
+        lines += [f"## {chunk[0].name} to {chunk[-1].name}", "", '<div class="matrix" markdown>', "",
                   "| value | " + " | ".join(f"[{f.name}](families/{slug(f)}.md)" for f in chunk) + " |",
                   "|---|" + ":-:|" * len(chunk)]
         lines += [f"| `{value.key}` | " + " | ".join(_availability(found[f.name], value, reasons) for f in chunk) + " |"
                   for value in CATALOG]
-        lines.append("")
+        lines += ["", "</div>", ""]
     lines += ["## Reasons", ""] + [f"{n}. {reason}" for reason, n in reasons.items()]
     return "\n".join(lines) + "\n"
 
