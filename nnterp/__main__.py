@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     docs = commands.add_parser("docs", help="regenerate the family, names, availability and layer pages")
     docs.add_argument("--folder", default=None,
                       help="where to write them (default: the docs/ folder of the checkout nnterp is installed from)")
+    docs.add_argument("--pictures", action="store_true",
+                      help="also redraw the guides' pictures under images/ by running their code (the embedded model)")
     args = parser.parse_args(argv)
     if args.command == "lens" and not args.prompt.strip():
         parser.error("lens: --prompt is empty: give the text to read, e.g. --prompt 'The Eiffel Tower is in'")
@@ -143,12 +145,14 @@ def _run(args) -> None:
     if args.command == "docs":
         from pathlib import Path
 
-        from .documentation import write
+        from .documentation import draw_pictures, write
 
         folder = Path(args.folder) if args.folder else Path(__file__).resolve().parent.parent / "docs"
         if not args.folder and not (folder.parent / "mkdocs.yml").is_file():
             raise ValueError("nnterp is not installed from a checkout with a docs/ folder: pass --folder FOLDER.")
         print(f"wrote {len(write(folder))} pages under {folder}/")
+        if args.pictures:
+            print(f"drew {len(draw_pictures(folder))} pictures under {folder}/images/")
         return
     if args.command == "check":
         sys.exit(check(args.model))

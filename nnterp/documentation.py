@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from .attention import internal_locations
 from .catalog import CATALOG
+from .doctest_runner import blocks, pictures, run_page
 from .families import FAMILIES, Family
 from .families.base import Block
 from .locations import At, SameAs, Unavailable
@@ -230,3 +233,23 @@ def write(docs: Path) -> list[Path]:
         path.write_text(text)
         written.append(path)
     return written
+
+
+def draw_pictures(docs: Path) -> list[Path]:
+    """Run every written page that shows pictures from ``images/`` and keep the pictures its code draws.
+
+    The guides' heatmaps are what their own code blocks write, on the embedded model (loaded here).
+    """
+    drawn = []
+    for page in sorted(docs.rglob("*.md")):
+        text = page.read_text()
+        if text.startswith(GENERATED) or not pictures(text) or not blocks(text):
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            run_page(page, Path(folder))
+            for name in pictures(text):
+                if not (Path(folder) / name).is_file():
+                    raise FileNotFoundError(f"{page.relative_to(docs)} shows images/{name}, which its code does not draw")
+                drawn.append(Path(shutil.copyfile(Path(folder) / name, docs / "images" / name)))
+    return drawn
+
