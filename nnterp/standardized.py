@@ -189,6 +189,33 @@ class StandardizedTransformer(TransformersModel):
         if attention_values:
             self.enable_attention_values()
 
+    def __repr__(self) -> str:
+        """The model's own module tree (standard aliases shown as ``alias/native``), then the standard names."""
+        aliases = self._aliases
+        self._aliases = {alias: path for alias, path in aliases.items() if "." not in path}  # mounts: listed below
+        try:
+            tree = TransformersModel.__repr__(self)
+        finally:
+            self._aliases = aliases
+        family = self.family
+        lines = [tree, "",
+                 f"Standard names ({family.name} family, {self.num_layers} blocks):",
+                 f"  model.layers[i] = {family.layers}[i]",
+                 f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
+                 f"model.lm_head = {family.lm_head}"]
+        groups: dict[tuple, list[int]] = {}
+        for i in range(self.num_layers):
+            table = self.availability(i)
+            available = tuple(key for _, key, _ in self.timeline(i) if not key.startswith("extra."))
+            unavailable = tuple(key for key, entry in table.items() if not entry.available)
+            groups.setdefault((available, unavailable), []).append(i)
+        for (available, unavailable), layers in groups.items():
+            which = "every block" if len(groups) == 1 else f"blocks {_ranges(layers)}"
+            lines.append(f"  {which}, in forward order: {', '.join(available)}")
+            if unavailable:
+                lines.append(f"    unavailable (model.availability({layers[0]}) says why): {', '.join(unavailable)}")
+        return "\n".join(lines)
+
     # -- model-level names --------------------------------------------------------------
     @property
     def family(self) -> Family:
@@ -490,3 +517,14 @@ def forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
         fake_log.level = level
         for handle in handles:
             handle.remove()
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
