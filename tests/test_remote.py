@@ -192,8 +192,8 @@ def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tm
                 activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2], remote=True))
     assert_same(patchscope_lens(model, prompts, "the cat is"), patchscope_lens(model, prompts, "the cat is", remote=True))
     vector = torch.linspace(-1, 1, model.hidden_size)
-    assert_same(steered_generate(model, "the cat", vector, 1, factor=4.0, max_new_tokens=3),
-                steered_generate(model, "the cat", vector, 1, factor=4.0, max_new_tokens=3, remote=True))
+    assert_same(steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3),
+                steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3, remote=True))
     values = ["layer_output", "mlp.mlp_output"]
     here = collect(model, prompts * 3, tmp_path / "local", values, positions="all", batch_size=4, progress=False)
     there = collect(model, prompts * 3, tmp_path / "remote", values, positions="all", batch_size=4, progress=False,
