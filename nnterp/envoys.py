@@ -65,7 +65,7 @@ class StandardValue:
             return self
         slot = envoy._nnterp_slot
         if not in_trace():
-            location, key = slot.model._resolved(slot.layer, self.name)  # an unavailable value raises here
+            location, key, *_ = slot.model._resolved(slot.layer, self.name)  # an unavailable value raises here
             return ValueOutsideTrace(slot.layer, key, location.describe())
         return slot.model.read_value(slot.layer, self.name)
 

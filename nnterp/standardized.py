@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from nnsight import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.modeling.transformers import TransformersModel
 from torch._guards import detect_fake_mode
@@ -271,6 +272,7 @@ class StandardizedTransformer(TransformersModel):
             return
         TransformersModel.dispatch(self)
         self._module.eval()
+        self._nnterp_resolved.clear()  # the envoys now stand for the loaded modules
 
     # -- remote execution ---------------------------------------------------------------------
     def _remoteable_class(self) -> type:
@@ -334,7 +336,7 @@ class StandardizedTransformer(TransformersModel):
         """Every block's values (the attention internals as they are on or off), and the modules read
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
-        self._nnterp_resolved: dict[tuple[int, str], tuple[At, str]] = {}
+        self._nnterp_resolved: dict[tuple[int, str], tuple] = {}
         self._nnterp_blocks = tuple(dataclasses.replace(block, values={**block.values, **where})
                                     for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
@@ -370,14 +372,24 @@ class StandardizedTransformer(TransformersModel):
 
     def read_value(self, layer: int, name: str) -> torch.Tensor:
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
-        return self.read_at(layer, *self._resolved(layer, name))
+        location, key, block, envoy = self._resolved(layer, name)
+        self._begin_pass(block)
+        try:
+            return location.read(block, self._nnterp_num_heads, envoy)
+        except OutOfOrderError as error:
+            raise self._out_of_order(layer, key, error) from None
 
-    def _resolved(self, layer: int, name: str) -> tuple[At, str]:
-        """(location, key) of a value of a block, resolved once (a value's place is fixed until the attention
-        values are turned on or off); an unavailable value raises every time."""
+    def _resolved(self, layer: int, name: str) -> tuple[At, str, Envoy, Envoy | None]:
+        """(location, key, block envoy, module envoy) of a value of a block, resolved once per model (a value's
+        place is fixed until the attention values are turned on or off), so that a read walks no path; an
+        unavailable value raises every time. An operation inside a forward is looked up on each read:
+        ``.source`` is instrumented per pass."""
         found = self._nnterp_resolved.get((layer, name))
         if found is None:
-            found = self._nnterp_resolved[(layer, name)] = (self.location(layer, name), value_named(name).key)
+            location = self.location(layer, name)
+            block = self.layers[layer]
+            envoy = None if location.op else location.envoy(block)
+            found = self._nnterp_resolved[(layer, name)] = (location, value_named(name).key, block, envoy)
         return found
 
     def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
@@ -418,11 +430,10 @@ class StandardizedTransformer(TransformersModel):
 
     def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
         """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
-        location, key = self._resolved(layer, name)
-        block = self.layers[layer]
+        location, key, block, envoy = self._resolved(layer, name)
         self._begin_pass(block)
         try:
-            location.write(block, value, self.num_heads, key)
+            location.write(block, value, self.num_heads, key, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
