@@ -180,7 +180,8 @@ def plot_attention(pattern: torch.Tensor, tokens: Sequence[str], path: str | Pat
     columns = min(4, len(numbers))
     grid_rows = -(-len(numbers) // columns)
     side = max(3.0, 0.28 * len(tokens) + 1.5)
-    figure, axes = plt.subplots(grid_rows, columns, figsize=(side * columns, side * grid_rows), squeeze=False)
+    figure, axes = plt.subplots(grid_rows, columns, figsize=(side * columns + 1, side * grid_rows + 0.5), squeeze=False,
+                             layout="constrained")
     labels = [visible(t) for t in tokens]
     for k, head in enumerate(numbers):
         ax = axes[k // columns][k % columns]
@@ -193,7 +194,7 @@ def plot_attention(pattern: torch.Tensor, tokens: Sequence[str], path: str | Pat
     for k in range(len(numbers), grid_rows * columns):
         axes[k // columns][k % columns].axis("off")
     figure.suptitle(title, fontsize=LABEL_FONT + 2)
-    figure.colorbar(image, ax=axes, label="probability", shrink=0.8)
+    figure.colorbar(image, ax=axes, label="probability")
     if path is None:
         return figure
     return _save(figure, path)
