@@ -54,6 +54,7 @@ def top_tokens(model, probs: torch.Tensor, k: int = 5, readable: bool = True) ->
     Tokens are shown readable by default, whitespace visible (``"␣Paris"``, ``"\\n"``, see
     ``nnterp.tokens.visible``); ``readable=False`` gives the exact decoded text (``" Paris"``).
     """
+    probs = probs.detach()
     if probs.dim() == 1:
         top = probs.topk(k)
         decoded = (model.tokenizer.decode(int(t)) for t in top.indices)
