@@ -69,7 +69,7 @@ def _lens_table(model, probs: torch.Tensor, target: str | None = None, k: int = 
     header = f"  {'layer':>5}  " + (f"{'P(' + repr(target) + ')':>12}  {'rank':>6}  " if target else "") + f"top-{k}"
     lines.append(header)
     for i, (p, top) in enumerate(zip(probs, top_tokens(model, probs, k))):
-        shown = ", ".join(f"{tok} {q:.2f}" for tok, q in top)
+        shown = ", ".join(f"'{tok}' {q:.2f}" for tok, q in top)
         if target_id is None:
             lines.append(f"  {i:>5}  {shown}")
         else:
