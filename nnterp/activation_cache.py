@@ -58,15 +58,18 @@ class ActivationCache:
 
     def _one(self, name: str, layer: int) -> torch.Tensor:
         if (name, layer) in self._unavailable:
-            raise self._unavailable[(name, layer)]
+            error = self._unavailable[(name, layer)]
+            raise ValueUnavailable(error.key, error.family, error.reason)
         return self._values[(name, layer)]
 
     def _stacked(self, name: str) -> torch.Tensor:
         missing = [layer for layer in self.layers if (name, layer) in self._unavailable]
         if missing:
             error = self._unavailable[(name, missing[0])]
-            raise ValueUnavailable(error.key, error.family, f"{error.reason} (at layers {layer_ranges(missing)}: "
-                                   f"read the other layers one at a time, cache[{name!r}, layer])")
+            partly = len(missing) < len(self.layers)
+            raise ValueUnavailable(error.key, error.family, error.reason + (
+                f" (at layers {layer_ranges(sorted(missing))}: read the layers that have it one at a time, "
+                f"cache[{name!r}, layer])" if partly else ""))
         tensors = [self._values[(name, layer)] for layer in self.layers]
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) > 1:
@@ -126,8 +129,10 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
             here.append(name)
         plan[layer] = sorted(here, key=lambda name, order=order: order[BY_NAME[name].key])  # forward order
     with torch.no_grad(), model.trace(inputs, remote=remote):
-        values = nnsight.save({(name, layer): model.read_value(layer, name) for layer in plan for name in plan[layer]})
-        logits = nnsight.save(model.logits)
+        # detached: a server may run the pass with autograd on
+        values = nnsight.save({(name, layer): model.read_value(layer, name).detach()
+                               for layer in plan for name in plan[layer]})
+        logits = nnsight.save(model.logits.detach())
     names = [name for name in names if any((name, layer) in values for layer in layers)]  # those it holds
     return logits, ActivationCache(values, names, list(dict.fromkeys(layers)), unavailable, model.num_layers,
                                    inputs["input_ids"], inputs["attention_mask"])

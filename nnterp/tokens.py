@@ -92,7 +92,7 @@ def test_prompt(model, prompt: str, answer: str, top_k: int = 10, prepend_space:
     ids = torch.tensor([prompt_ids + answer_ids[:-1]])
     first = len(prompt_ids) - 1  # the position that predicts the answer's first token
     with torch.no_grad(), model.trace(ids, remote=remote):
-        logits = nnsight.save(model.logits[0, first:].float().cpu())
+        logits = nnsight.save(model.logits[0, first:].detach().float().cpu())
     probs = logits.softmax(dim=-1)
     results = []
     for k, token_id in enumerate(answer_ids):
