@@ -164,3 +164,27 @@ def test_top_tokens_show_whitespace(gpt2):
     assert top_tokens(gpt2, probs, k=3) == [("␣", 0.5), ("\\n", pytest.approx(0.3)), ("␣Paris", pytest.approx(0.2))]
     assert [t for t, _ in top_tokens(gpt2, probs, k=3, readable=False)] == [" ", "\n", " Paris"]
     assert visible("") == "∅" and visible("a\tb\x00") == "a\\tb\\x00"
+
+
+def test_a_value_some_blocks_lack_is_cached_where_it_exists():
+    deepseek = tiny("deepseek_v3")  # block 0 has a dense MLP, blocks 1 and 2 route to experts
+    activation = {}
+    handle = deepseek.layers._module[0].mlp.act_fn.register_forward_hook(
+        lambda m, a, out: activation.__setitem__(0, out.clone()))
+    ids = deepseek.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    try:
+        with torch.no_grad():
+            deepseek._module(ids)
+    finally:
+        handle.remove()
+    _, cache = deepseek.run_with_cache(ids[0])  # token ids are taken as they are
+    assert torch.equal(cache.input_ids, ids)
+    assert torch.allclose(cache["mlp_activation", 0], activation[0], atol=1e-6)
+    with pytest.raises(ValueUnavailable, match="routed"):
+        cache["mlp_activation", 1]
+    with pytest.raises(ValueUnavailable, match="at layers 1-2"):
+        cache["mlp_activation"]
+    with pytest.raises(ValueUnavailable, match="routed"):
+        deepseek.run_with_cache(ids, names="mlp_activation")
+    _, dense = deepseek.run_with_cache(ids, names="mlp_activation", layers=[0])
+    assert torch.equal(dense["mlp_activation"][0], cache["mlp_activation", 0])
