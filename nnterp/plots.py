@@ -68,6 +68,7 @@ def plot_patching(effects: torch.Tensor, tokens: Sequence[str], path: str | Path
     The effect is signed, so the colours diverge from white at 0 (red below, blue above), on
     limits symmetric around 0.
     """
+    _pyplot()  # a clear error where matplotlib is missing
     from matplotlib.colors import CenteredNorm
 
     layers = list(range(effects.shape[0])) if layers is None else list(layers)
