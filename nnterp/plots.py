@@ -55,9 +55,11 @@ def plot_logit_lens(model, prompt: str, path: str | Path | None, value: str = "l
                       colorbar="probability", cmap="viridis", vmin=0.0, vmax=1.0, marked=marked)
     if path is None:
         return figure
-    if html:
-        _plotly_html(top_p, labels, tokens, [str(i) for i in range(top_p.shape[0])], Path(path).with_suffix(".html"),
-                     title, _plotly_colorscale("viridis"), zmin=0.0, zmax=1.0)
+    if html:  # the target's cells in brackets there
+        boxed = [[f"[{visible(label)}]" if [y, x] in marked else label for x, label in enumerate(row)]
+                 for y, row in enumerate(labels)]
+        _plotly_html(top_p, boxed, tokens, [str(i) for i in range(top_p.shape[0])], Path(path).with_suffix(".html"),
+                     title.replace("outlined", "in brackets"), _plotly_colorscale("viridis"), zmin=0.0, zmax=1.0)
     return _save(figure, path)
 
 
