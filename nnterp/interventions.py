@@ -223,8 +223,9 @@ def _last_token_values(model, prompts, layers, remote, name: str = "layer_output
     """``[layers, prompts, ...]``: value ``name`` at every prompt's last token (whichever side pads), on the CPU."""
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
     rows, last = torch.arange(len(prompts)), token_index(inputs.attention_mask, -1)
-    with torch.no_grad(), model.trace(inputs, remote=remote):
+    with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         read = nnsight.save({layer: model.read_value(layer, name)[rows, last].cpu() for layer in forward_order(layers)})
+        tracer.stop()  # nothing past the last layer read is needed
     return torch.stack([read[layer] for layer in layers])
 
 

@@ -36,7 +36,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     rows = torch.arange(len(prompts))
     index = None if position is None else token_index(inputs.attention_mask, position)
     signs = (1, -1) if return_inv_logits else (1,)
-    with torch.no_grad(), model.trace(inputs, remote=remote):
+    with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         per_layer = {}
         for i in forward_order(layers):
             hidden = model.read_value(i, name)
@@ -44,6 +44,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
             hidden = hidden if index is None else hidden[rows, index.to(hidden.device)].unsqueeze(1)
             per_layer[i] = [model.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu() for sign in signs]
         lenses = nnsight.save([torch.stack([per_layer[i][k] for i in layers], dim=1) for k in range(len(signs))])
+        tracer.stop()  # the readout ran here: the model's own head after the last layer read is not needed
     lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
     return tuple(lenses) if return_inv_logits else lenses[0]
 
