@@ -35,15 +35,15 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
     print(f"Logit lens for {prompt!r}: each block's layer_output through the final norm and head")
     print(_lens_table(model, probs, target))
     if plot:
-        _write_plot(model, prompt, plot)
+        _write_plot(model, prompt, plot, target)
     print(f"\nDone in {time.perf_counter() - start:.1f} s.")
 
 
-def _write_plot(model, prompt: str, path: str) -> None:
+def _write_plot(model, prompt: str, path: str, target: str | None = None) -> None:
     from .plots import plot_logit_lens
 
     try:
-        written = plot_logit_lens(model, prompt, path)
+        written = plot_logit_lens(model, prompt, path, target=target)
     except ModuleNotFoundError as error:
         print(f"(no picture: {error})")
         return
@@ -59,7 +59,7 @@ def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> 
     model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
     print(_lens_table(model, logit_lens(model, prompt)[0], target))
     if plot:
-        _write_plot(model, prompt, plot)
+        _write_plot(model, prompt, plot, target)
 
 
 def check(model_name: str) -> int:
