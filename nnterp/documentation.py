@@ -50,19 +50,17 @@ class Shape:
     where: list[tuple[str, list[int]]]
 
     def title(self, shapes: list[Shape]) -> str:
+        """The heading of its values: the configurations that have it, and the layers where not all do."""
         if len(shapes) == 1:
             return "Values"
-        configs = {label for shape in shapes for label, _ in shape.where}
-        parts = []
-        for label, layers in self.where:
-            every = len(layers) == self.config_layers(label, shapes)
-            layer_text = "" if every else f"layers {layer_ranges(layers)}"
-            parts.append(", ".join(p for p in ((label if len(configs) > 1 else ""), layer_text) if p))
-        return "Values of " + "; ".join(parts) + ("" if len(configs) > 1 else " (test config)")
+        several = len({label for shape in shapes for label, _ in shape.where}) > 1
 
-    @staticmethod
-    def config_layers(label: str, shapes: list[Shape]) -> int:
-        return sum(len(layers) for shape in shapes for where, layers in shape.where if where == label)
+        def part(label: str, layers: list[int]) -> str:
+            every = len(layers) == sum(len(ls) for shape in shapes for where, ls in shape.where if where == label)
+            return ", ".join(text for text in (label if several else "",
+                                               "" if every else f"layers {layer_ranges(layers)}") if text)
+
+        return "Values of " + "; ".join(part(*where) for where in self.where) + ("" if several else " (test config)")
 
 
 def configs(family: Family) -> list[tuple[str, object]]:
