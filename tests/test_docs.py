@@ -57,7 +57,8 @@ def test_code_blocks_print_what_the_page_says(page, tmp_path):
         if expected is not None:
             assert printed == expected, f"{page.name}: the block\n{code}\nprinted\n{printed}"
     for name in pictures(page.read_text()):  # each picture the page shows is drawn by its code
-        assert (tmp_path / name).is_file() and (DOCS / "images" / name).is_file(), name
+        assert (tmp_path / name).is_file(), f"{page.name} shows images/{name}, which its code does not draw"
+        assert (DOCS / "images" / name).is_file(), f"run `python -m nnterp docs --pictures`: images/{name} is missing"
 
 
 def test_site_builds_strictly(tmp_path):
