@@ -56,10 +56,20 @@ def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> 
     from .lens import _lens_table, logit_lens
     from .standardized import StandardizedTransformer
 
-    model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
+    with _quiet_if(model_name == "embedded"):
+        model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
     print(_lens_table(model, logit_lens(model, prompt)[0], target))
     if plot:
         _write_plot(model, prompt, plot, target)
+
+
+def _quiet_if(embedded: bool):
+    """The embedded model loads in a second: no progress bar. A model of the user's keeps transformers' bar."""
+    import contextlib
+
+    from .miniature import quiet_transformers
+
+    return quiet_transformers() if embedded else contextlib.nullcontext()
 
 
 def check(model_name: str) -> int:
@@ -74,7 +84,8 @@ def check(model_name: str) -> int:
     from .validation import ValidationError, check_identity, validate
 
     path = str(embedded_model_path()) if model_name == "embedded" else model_name
-    model = StandardizedTransformer(path, validate=False)
+    with _quiet_if(model_name == "embedded"):
+        model = StandardizedTransformer(path, validate=False)
     hf = model._module
     print(f"{model_name}: {type(hf).__name__}, family {model.family.name}, {model.num_layers} layers, "
           f"hidden {model.hidden_size}, {model.num_heads} heads")
@@ -92,11 +103,22 @@ def check(model_name: str) -> int:
         block = model.block_spec(i)
         signature = (tuple((k, str(a)) for k, a in model.availability(i).items()), block.formula)
         groups.setdefault(signature, []).append(i)
+    width = max(len(key) for (values, _) in groups for key, _ in values)
+    reasons: list[str] = []  # each reason printed once, below the tables, and referred to by number
     for (values, formula), layers in groups.items():
         print(f"\nlayers {layer_ranges(layers)}:")
         for key, where in values:
-            print(f"  {key:28} {where}")
+            if where.startswith("unavailable: "):
+                reason = where.removeprefix("unavailable: ")
+                if reason not in reasons:
+                    reasons.append(reason)
+                where = f"unavailable ({reasons.index(reason) + 1})"
+            print(f"  {key:{width}}  {where}")
         print(f"  identity: {formula}")
+    if reasons:
+        print("\nunavailable because:")
+        for number, reason in enumerate(reasons, 1):
+            print(f"  ({number}) {reason}")
 
     ids = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
     results = check_identity(model, ids)
