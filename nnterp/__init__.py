@@ -2,6 +2,7 @@
 
 from . import legacy  # noqa: E402  (the 1.x names, installed onto the class)
 from .activation_cache import ActivationCache, run_with_cache
+from .allocator import tune_allocator
 from .catalog import CATALOG, Value
 from .collection import Collection, collect
 from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
@@ -42,6 +43,7 @@ __all__ = [
     "test_prompt",
     "to_str_tokens",
     "top_tokens",
+    "tune_allocator",
     "visible",
     "Availability",
     "BadAssignment",
