@@ -257,9 +257,9 @@ class Collection:
         expected = {str(start) for start in range(0, self.settings["prompts"], self.settings["batch_size"])}
         self.missing = sorted(int(start) for start in expected - set(self._shards))
         self.complete = not self.missing
-        ordered = [self._shards[start] for start in sorted(self._shards, key=int)]
-        self._files = [self.folder / shard["file"] for shard in ordered]
-        self._first_rows = torch.tensor([0] + [shard["rows"] for shard in ordered]).cumsum(0)  # shard i: [i]:[i+1]
+        self._ordered = [self._shards[start] for start in sorted(self._shards, key=int)]  # prompt order
+        self._files = [self.folder / shard["file"] for shard in self._ordered]
+        self._first_rows = torch.tensor([0] + [shard["rows"] for shard in self._ordered]).cumsum(0)  # shard i: [i]:[i+1]
 
     def __getitem__(self, key) -> torch.Tensor:
         value, rows = key if isinstance(key, tuple) else (key, slice(None))
@@ -332,7 +332,11 @@ class Collection:
             features[name] = array(shape=shape, dtype=str(dtype).removeprefix("torch."))
         return datasets.Dataset.from_generator(
             _dataset_rows, features=datasets.Features(features), cache_dir=str(cache_dir) if cache_dir else None,
-            gen_kwargs={"folder": str(self.folder), "names": names, "fingerprint": [s["sha256"] for s in self._shards.values()]})
+            gen_kwargs={"folder": str(self.folder), "names": tuple(names), "contents": self._contents()})
+
+    def _contents(self) -> str:
+        """One hash of every shard's checksum: what the dataset cache keys on, besides the folder."""
+        return hashlib.sha256(" ".join(shard["sha256"] for shard in self._ordered).encode()).hexdigest()
 
     @property
     def values(self) -> list[str]:
@@ -349,8 +353,8 @@ class Collection:
                 f"{self.settings['prompts']} prompts; {status})")
 
 
-def _dataset_rows(folder: str, names: list[str], fingerprint: list[str]):
-    """One example per collected row (``fingerprint`` names the shards' contents, for the dataset cache)."""
+def _dataset_rows(folder: str, names: tuple[str, ...], contents: str):
+    """One example per collected row (``contents`` names the shards' contents, for the dataset cache)."""
     collection = Collection(folder)
     prompt = 0
     for path in collection._files:
