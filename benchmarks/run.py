@@ -9,9 +9,11 @@ Prints ratios measured in one run (absolute times vary between machines):
   ``run_with_cache`` on GPT-2's architecture (when transformer_lens is installed);
 - load time: HF load alone, nnsight wrapping, nnterp wrapping with validation (cold and cached);
 - activation collection over 2,000 prompts: prompts/s and peak memory against a plain batched
-  forward with hooks.
+  forward with hooks;
+- collection throughput: ``collect`` (shards written to disk) against a plain batched forward whose
+  hooks copy the same rows to the host, last token and all positions, as a ratio of prompts/s.
 
-Usage: ``python benchmarks/run.py [--rounds 5] [--quick] [--grad]``. CPU, one thread, no_grad (``--grad``: autograd on).
+Usage: ``python benchmarks/run.py [--rounds 5] [--quick] [--grad] [--collection-only]``. CPU, one thread, no_grad (``--grad``: autograd on).
 """
 
 from __future__ import annotations
@@ -315,12 +317,75 @@ def collection_costs(n: int):
     print(f"  nnterp time / floor time = {ratio:.3f}")
 
 
+def collection_throughput(n: int, rounds: int):
+    """collect against a plain batched forward whose hooks copy the same rows to the host, in one process."""
+    from nnterp import collect
+
+    base = gpt2_small()
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    std = StandardizedTransformer(copy.deepcopy(base), tokenizer=tok)
+    words = "the a cat dog sat on mat Eiffel Tower is in city of Paris Rome".split()
+    prompts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(4 + i % 8)) for i in range(n)]
+    blocks = base.transformer.h
+
+    def floor(positions, layers, model=base):
+        """``model=base.transformer``: the blocks without the LM head (a plain forward computes logits)."""
+        def run():
+            rows, mask = [], {}
+            hooks = [blocks[i].register_forward_hook(
+                lambda m, a, out: rows.append((out[0] if isinstance(out, tuple) else out)[
+                    mask["select"]].to("cpu", copy=True))) for i in layers]
+            try:
+                with torch.no_grad():
+                    for start in range(0, n, 32):
+                        batch = tok(prompts[start:start + 32], return_tensors="pt", padding=True)
+                        select = batch.attention_mask.bool()
+                        if positions == "last":
+                            select = torch.zeros_like(select)
+                            select[:, -1] = True  # left padding: every prompt's last token is the last column
+                        mask["select"] = select
+                        model(**batch)
+                        rows.clear()  # the rows of a batch are dropped once copied, as collect writes them
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        return run
+
+    def nnterp(positions, layers):
+        def run():
+            with tempfile.TemporaryDirectory() as folder:
+                collect(std, prompts, folder, layers=layers, positions=positions, batch_size=32, progress=False)
+        return run
+
+    every, half = list(range(12)), list(range(6))
+    cases = [("last token, every block", "last", every), ("all positions, every block", "all", every),
+             ("last token, blocks 0-5 (collect stops after block 5)", "last", half)]
+    print(f"\ncollection throughput, GPT-2-small shape, batch 32, {n} prompts, layer_output, median of {rounds}")
+    for label, positions, layers in cases:
+        variants = {"floor": floor(positions, layers), "floor, no head": floor(positions, layers, base.transformer),
+                    "collect": nnterp(positions, layers)}
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            order = list(variants.items())
+            random.shuffle(order)
+            for name, fn in order:
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        print(f"  {label}\n    " + ", ".join(f"{name} {n / seconds:.1f} prompts/s" for name, seconds in medians.items())
+              + f"\n    collect/floor throughput = {medians['floor'] / medians['collect']:.3f}, collect/floor without "
+              f"the head = {medians['floor, no head'] / medians['collect']:.3f}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and prompts, for a smoke run")
     parser.add_argument("--collection-child", nargs=2)
     parser.add_argument("--grad", action="store_true", help="autograd on, as a plain trace runs (default: no_grad)")
+    parser.add_argument("--collection-only", action="store_true", help="only the collection sections")
     args = parser.parse_args()
     if args.collection_child:
         collection_child(args.collection_child[0], int(args.collection_child[1]))
@@ -331,12 +396,14 @@ def main():
     print(f"nnterp benchmarks, {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__} ({torch.get_num_threads()} thread), transformers {T.__version__}, "
           f"nnsight {nnsight.__version__}")
-    trace_costs("GPT-2-small shape (124M, random weights)", gpt2_small, rounds, with_tl=True)
-    trace_costs("Llama shape (12 x 768, random weights)", llama_small, rounds)
-    trace_costs("embedded SmolLM2-135M", smollm2, rounds)
-    attention_costs(rounds)
-    load_costs(rounds)
+    if not args.collection_only:
+        trace_costs("GPT-2-small shape (124M, random weights)", gpt2_small, rounds, with_tl=True)
+        trace_costs("Llama shape (12 x 768, random weights)", llama_small, rounds)
+        trace_costs("embedded SmolLM2-135M", smollm2, rounds)
+        attention_costs(rounds)
+        load_costs(rounds)
     collection_costs(200 if args.quick else 2000)
+    collection_throughput(64 if args.quick else 320, rounds)
 
 
 if __name__ == "__main__":
