@@ -257,7 +257,8 @@ class Collection:
         expected = {str(start) for start in range(0, self.settings["prompts"], self.settings["batch_size"])}
         self.missing = sorted(int(start) for start in expected - set(self._shards))
         self.complete = not self.missing
-        self._ordered = [self._shards[start] for start in sorted(self._shards, key=int)]  # prompt order
+        self._starts = sorted(int(start) for start in self._shards)  # each shard's first prompt, in prompt order
+        self._ordered = [self._shards[str(start)] for start in self._starts]
         self._files = [self.folder / shard["file"] for shard in self._ordered]
         self._first_rows = torch.tensor([0] + [shard["rows"] for shard in self._ordered]).cumsum(0)  # shard i: [i]:[i+1]
 
@@ -332,7 +333,8 @@ class Collection:
             features[name] = array(shape=shape, dtype=str(dtype).removeprefix("torch."))
         return datasets.Dataset.from_generator(
             _dataset_rows, features=datasets.Features(features), cache_dir=str(cache_dir) if cache_dir else None,
-            gen_kwargs={"folder": str(self.folder), "names": tuple(names), "contents": self._contents()})
+            gen_kwargs={"shards": tuple(zip(self._starts, map(str, self._files))), "names": tuple(names),
+                        "contents": self._contents()})
 
     def _contents(self) -> str:
         """One hash of every shard's checksum: what the dataset cache keys on, besides the folder."""
@@ -353,16 +355,13 @@ class Collection:
                 f"{self.settings['prompts']} prompts; {status})")
 
 
-def _dataset_rows(folder: str, names: tuple[str, ...], contents: str):
-    """One example per collected row (``contents`` names the shards' contents, for the dataset cache)."""
-    collection = Collection(folder)
-    prompt = 0
-    for path in collection._files:
+def _dataset_rows(shards: tuple[tuple[int, str], ...], names: tuple[str, ...], contents: str):
+    """One example per collected row, shard by shard (``contents`` names the shards' contents, for the cache)."""
+    for first_prompt, path in shards:
         with safe_open(path, "pt") as file:
             columns = {name: file.get_tensor(name) for name in names}
             counts = file.get_tensor("_tokens_per_prompt")
-        prompts = torch.repeat_interleave(torch.arange(prompt, prompt + len(counts)), counts)
-        prompt += len(counts)
+        prompts = torch.repeat_interleave(torch.arange(first_prompt, first_prompt + len(counts)), counts)
         columns = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in columns.items()}
         for row, index in enumerate(prompts.tolist()):
             yield {"prompt": index, **{name: column[row] for name, column in columns.items()}}
