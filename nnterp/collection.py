@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -79,7 +80,7 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
             writer.write(start, tensors, ready)  # written while the next batch runs
             bar.update()
     bar.close()
-    return Collection(folder)
+    return Collection(folder, verify=False)  # the shards were checked on resuming, or just written
 
 
 def _worker(shard) -> tuple[int, int]:
@@ -185,7 +186,7 @@ class _ShardWriter:
         _write_atomically(self.folder / name, lambda path: save_file(tensors, path))
         first = next(iter(tensors))
         self.shards[str(start)] = {"file": name, "rows": int(tensors[first].shape[0]),
-                                   "sha256": _sha256(self.folder / name)}
+                                   "bytes": (self.folder / name).stat().st_size, "sha256": _sha256(self.folder / name)}
         # after the shard: a kill between the two only redoes this batch
         _write_manifest(self.folder / self.manifest, self.settings, self.shards)
 
@@ -236,9 +237,11 @@ class Collection:
     rows, through memory-mapped shards, so a collection larger than memory reads by parts.
     Opening it checks every recorded shard (present, whole, unchanged) of every worker; ``complete``
     is true only when every batch is there, and ``missing`` lists the batches that are not.
+    ``verify=False`` checks that each shard is there and of its recorded size, without reading it
+    for its checksum: for a large collection already checked once.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, verify: bool = True):
         self.folder = Path(folder)
         manifests = _read_manifests(self.folder)
         settings = [saved["settings"] for saved in manifests.values()]
@@ -248,7 +251,7 @@ class Collection:
                 "not given the same arguments. Keep the manifests (and shards) of one collection per folder.")
         self.settings = settings[0]
         self._shards = {start: shard for saved in manifests.values() for start, shard in saved["shards"].items()}
-        problems = {start: _shard_problem(self.folder, shard) for start, shard in self._shards.items()}
+        problems = {start: _shard_problem(self.folder, shard, verify) for start, shard in self._shards.items()}
         damaged = {start: problem for start, problem in problems.items() if problem}
         if damaged:
             raise CollectionError(
@@ -263,13 +266,18 @@ class Collection:
         self._first_rows = torch.tensor([0] + [shard["rows"] for shard in self._ordered]).cumsum(0)  # shard i: [i]:[i+1]
 
     def __getitem__(self, key) -> torch.Tensor:
+        if isinstance(key, tuple) and len(key) != 2:
+            raise TypeError(f"index a collection as collection[value] or collection[value, rows], not {key!r}; "
+                            "index the tensor it returns for the other dimensions.")
         value, rows = key if isinstance(key, tuple) else (key, slice(None))
         name = value_name(value)  # "mlp.mlp_output" and "mlp_output" name the same value
         if name not in self.values:
             raise KeyError(f"{value!r} was not collected here; this collection holds {', '.join(self.values)}.")
-        if isinstance(rows, int):
-            return self._read(name, self._positions([rows]))[0]
-        return self._read(name, self._positions(rows))
+        try:
+            row = operator.index(rows)  # one row (an int, a numpy or 0-d tensor integer)
+        except TypeError:
+            return self._read(name, self._positions(rows))
+        return self._read(name, self._positions([row]))[0]
 
     def _positions(self, rows) -> torch.Tensor:
         if isinstance(rows, slice):
@@ -320,7 +328,7 @@ class Collection:
         except ImportError:
             raise ImportError("Collection.to_dataset needs the datasets package: pip install 'nnterp[datasets]' "
                               "(or pip install datasets).") from None
-        names = [value_name(v) for v in (values or self.values)]
+        names = [value_name(v) for v in ([values] if isinstance(values, str) else values or self.values)]
         for name in names:
             if name not in self.values:
                 raise KeyError(f"{name!r} was not collected here; this collection holds {', '.join(self.values)}.")
@@ -408,11 +416,13 @@ def _shard_file(start: int) -> str:
     return f"batch-{start:09d}.safetensors"
 
 
-def _shard_problem(folder: Path, shard: dict) -> str | None:
+def _shard_problem(folder: Path, shard: dict, checksum: bool = True) -> str | None:
     path = folder / shard["file"]
     if not path.is_file():
         return f"{shard['file']} is missing"
-    if _sha256(path) != shard["sha256"]:
+    if shard.get("bytes", path.stat().st_size) != path.stat().st_size:  # shards written before sizes were recorded
+        return f"{shard['file']} is damaged (its size differs from the one recorded)"
+    if checksum and _sha256(path) != shard["sha256"]:
         return f"{shard['file']} is damaged (its checksum differs from the one recorded)"
     return None
 

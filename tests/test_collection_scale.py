@@ -79,10 +79,26 @@ def test_row_reads_equal_the_stored_rows_in_bfloat16(llama, tmp_path):
         rows_by_python = torch.arange(*key.indices(rows))  # Python's own slice rules
         assert torch.equal(narrow["layer_output", key], truth[rows_by_python]), key
     assert torch.equal(narrow["layer_output", -1], truth[-1])
+    assert torch.equal(narrow["layer_output", torch.tensor(edges[1])], truth[edges[1]])
     assert torch.equal(narrow["layer_output", [edges[2], 0, edges[2], rows - 1]], truth[[edges[2], 0, edges[2], rows - 1]])
     with pytest.raises(IndexError, match=f"beyond this collection's {rows} rows"):
         narrow["layer_output", rows]
+    with pytest.raises(TypeError, match="collection\\[value, rows\\]"):
+        narrow["layer_output", 0, 1]
 
+
+
+def test_opening_without_checksums_still_finds_a_truncated_shard(llama, tmp_path):
+    collect(llama, PROMPTS, tmp_path, batch_size=5, progress=False)
+    shard = tmp_path / "batch-000000005.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))  # one bit flipped, same size
+    with pytest.raises(CollectionError, match="batch 5: .* checksum differs"):
+        Collection(tmp_path)
+    assert Collection(tmp_path, verify=False).complete  # only the size is checked: a flipped bit passes
+    shard.write_bytes(whole[:-1])
+    with pytest.raises(CollectionError, match="batch 5: .* size differs"):
+        Collection(tmp_path, verify=False)
 
 CAPPED_READ = """
 import resource, sys, torch
