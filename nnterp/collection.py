@@ -18,6 +18,7 @@ import json
 import operator
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,7 @@ from .selection import forward_order, layer_indices, token_index, value_name
 
 MANIFEST = "manifest.json"
 WORKER_MANIFEST = re.compile(r"manifest-(\d+)-of-(\d+)\.json")
+RECORD_EVERY_S = 1.0  # how often the manifest is rewritten while shards are written
 FORMAT = 2  # 2: shards recorded with their rows and checksums (a manifest per worker since shard=)
 
 
@@ -166,14 +168,17 @@ class _ShardWriter:
     """Writes shards on a background thread, so that writing one batch overlaps the next forward.
 
     One write at a time and in order; ``write`` first waits for the previous one, so memory holds
-    at most two batches. A write that fails is raised as a ``CollectionError`` on the next call;
-    each shard is written atomically and recorded after it is whole, as before.
+    at most two batches. A write that fails is raised as a ``CollectionError`` on the next call.
+    Each shard is written atomically and recorded in the manifest after it is whole, at most once
+    a second (the manifest grows with the batches: rewriting it for each would cost the square of
+    their number) and always on the way out; a kill redoes at most the last second's batches.
     """
 
     def __init__(self, folder: Path, manifest: str, settings: dict, shards: dict):
         self.folder, self.manifest, self.settings, self.shards = folder, manifest, settings, dict(shards)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnterp-shard-writer")
         self._pending: tuple[int, Future] | None = None
+        self._unrecorded, self._recorded_at = 0, float("-inf")
 
     def write(self, start: int, tensors: dict[str, torch.Tensor], ready) -> None:
         self._wait()
@@ -187,8 +192,14 @@ class _ShardWriter:
         first = next(iter(tensors))
         self.shards[str(start)] = {"file": name, "rows": int(tensors[first].shape[0]),
                                    "bytes": (self.folder / name).stat().st_size, "sha256": _sha256(self.folder / name)}
-        # after the shard: a kill between the two only redoes this batch
+        self._unrecorded += 1
+        if time.monotonic() - self._recorded_at >= RECORD_EVERY_S:
+            self._record()
+
+    def _record(self) -> None:
+        """Record the shards written so far (after them: a kill in between only redoes their batches)."""
         _write_manifest(self.folder / self.manifest, self.settings, self.shards)
+        self._unrecorded, self._recorded_at = 0, time.monotonic()
 
     def _wait(self) -> None:
         if self._pending is None:
@@ -213,6 +224,8 @@ class _ShardWriter:
                 raise  # else the error that stopped the loop is the one to report
         finally:
             self._thread.shutdown()
+            if self._unrecorded:
+                self._record()
 
 
 def _selection(inputs, positions) -> torch.Tensor:

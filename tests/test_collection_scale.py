@@ -265,3 +265,17 @@ def test_to_dataset_without_datasets_names_the_install(llama, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install 'nnterp\\[datasets\\]'"):
         collection.to_dataset()
+
+
+def test_the_manifest_is_rewritten_at_most_once_a_second_and_on_the_way_out(llama, tmp_path, monkeypatch):
+    import time
+
+    import nnterp.collection as module
+
+    writes, real = [], module._write_manifest
+    monkeypatch.setattr(module, "_write_manifest", lambda *args: writes.append(1) or real(*args))
+    began = time.monotonic()
+    done = collect(llama, PROMPTS, tmp_path, batch_size=1, progress=False)
+    elapsed = time.monotonic() - began
+    assert len(writes) <= 2 + elapsed / module.RECORD_EVERY_S  # not once per batch: 12 batches here
+    assert done.complete and done.rows == len(PROMPTS)  # every shard recorded on the way out
