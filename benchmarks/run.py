@@ -366,6 +366,8 @@ def collection_throughput(n: int, rounds: int):
         variants = {"floor": floor(positions, layers), "floor, no head": floor(positions, layers, base.transformer),
                     "collect": nnterp(positions, layers)}
         times = {name: [] for name in variants}
+        for fn in variants.values():
+            fn()  # warm up
         for _ in range(rounds):
             order = list(variants.items())
             random.shuffle(order)

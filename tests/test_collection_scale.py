@@ -73,7 +73,9 @@ def test_row_reads_equal_the_stored_rows_in_bfloat16(llama, tmp_path):
     rows = len(truth)
     assert narrow.rows == rows and wide.rows == rows
     assert torch.equal(narrow["layer_output"], truth)
-    edges = narrow._first_rows.tolist()  # reads that start, end and cross at shard edges
+    shards = json.loads((tmp_path / "bf16" / "manifest.json").read_text())["shards"]
+    edges = torch.tensor([0] + [shards[start]["rows"] for start in sorted(shards, key=int)]).cumsum(0).tolist()
+    # reads that start, end and cross at shard edges, with steps, backwards, empty
     for key in [slice(3, 40), slice(edges[1] - 1, edges[2] + 1), slice(edges[1], edges[2]), slice(-7, None),
                 slice(1, None, 4), slice(None, None, -3), slice(rows - 1, 0, -5), slice(10, 10)]:
         rows_by_python = torch.arange(*key.indices(rows))  # Python's own slice rules
@@ -85,7 +87,6 @@ def test_row_reads_equal_the_stored_rows_in_bfloat16(llama, tmp_path):
         narrow["layer_output", rows]
     with pytest.raises(TypeError, match="collection\\[value, rows\\]"):
         narrow["layer_output", 0, 1]
-
 
 
 def test_opening_without_checksums_still_finds_a_truncated_shard(llama, tmp_path):
