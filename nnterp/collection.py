@@ -112,10 +112,9 @@ def _resume(folder: Path, settings: dict, manifest: str, mine: list[int]) -> tup
             raise CollectionError(f"{folder} holds a collection made with other settings ({saved['settings']}); use "
                                   "another folder, or delete it to start over.")
     # a shard that is missing or damaged is collected again; one another worker wrote is not
-    intact = lambda shards: {start: shard for start, shard in shards.items() if _shard_problem(folder, shard) is None}
-    own = intact(manifests[manifest]["shards"]) if manifest in manifests else {}
-    done = {start: shard for saved in manifests.values() for start, shard in intact(saved["shards"]).items()}
-    return own, done
+    intact = {name: {start: shard for start, shard in saved["shards"].items() if _shard_problem(folder, shard) is None}
+              for name, saved in manifests.items()}
+    return intact.get(manifest, {}), {start: shard for shards in intact.values() for start, shard in shards.items()}
 
 
 def _collect_batch(model, batch, names, layers, positions, dtype, remote=False) -> dict[str, torch.Tensor]:
