@@ -9,15 +9,17 @@ Prints ratios measured in one run (absolute times vary between machines):
   ``run_with_cache`` on GPT-2's architecture (when transformer_lens is installed);
 - load time: HF load alone, nnsight wrapping, nnterp wrapping with validation (cold and cached);
 - activation collection over 2,000 prompts: prompts/s and peak memory against a plain batched
-  forward with hooks.
+  forward with hooks;
+- collection throughput: ``collect`` (shards written to disk) against a plain batched forward whose
+  hooks copy the same rows to the host, last token and all positions, as a ratio of prompts/s.
 
 - the shapes table: raw nnsight and nnterp reading the 4 stream values, and nnterp reading 11, against
   the hooks floor, at latency-bound and compute-bound sizes, with nnterp's cost per value over raw
   nnsight's (a 16-layer tiny Llama on the CPU; Llama-1B and Llama-7B shapes in bf16 with ``--device cuda``).
 
 Every timing gives the median and minimum wall time, the CPU time and the minor page faults per call.
-Usage: ``python benchmarks/run.py [--rounds 5] [--quick] [--grad] [--tune-allocator] [--device cuda]``.
-CPU, one thread, no_grad (``--grad``: autograd on, as a plain trace runs).
+Usage: ``python benchmarks/run.py [--rounds 5] [--quick] [--grad] [--tune-allocator] [--device cuda]
+[--shapes-only | --collection-only]``. CPU, one thread, no_grad (``--grad``: autograd on, as a plain trace runs).
 """
 
 from __future__ import annotations
@@ -315,12 +317,12 @@ def attention_costs(rounds: int):
             return fn(ids)
         return call
 
-    medians = timed({
+    medians = {variant: timing.median for variant, timing in timed({
         "sdpa, premix only": switched(False, run(["attention_premix"])),
         "eager, premix only": switched(True, run(["attention_premix"])),
         "eager, q k v scores probs": switched(True, run(["queries", "keys", "values", "attention_scores",
                                                                "attention_probabilities"])),
-    }, ids, rounds)
+    }, ids, rounds).items()}
     base = medians["sdpa, premix only"]
     print(f"\nattention values, GPT-2-small shape, batch {BATCH} x seq {SEQ}, median of {rounds}")
     for variant, seconds in medians.items():
@@ -404,6 +406,70 @@ def collection_costs(n: int):
     print(f"  nnterp time / floor time = {ratio:.3f}")
 
 
+def collection_throughput(n: int, rounds: int):
+    """collect against a plain batched forward whose hooks copy the same rows to the host, in one process."""
+    from nnterp import collect
+
+    base = gpt2_small()
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    std = StandardizedTransformer(copy.deepcopy(base), tokenizer=tok)
+    words = "the a cat dog sat on mat Eiffel Tower is in city of Paris Rome".split()
+    prompts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(4 + i % 8)) for i in range(n)]
+    blocks = base.transformer.h
+
+    def floor(positions, layers, model=base):
+        """``model=base.transformer``: the blocks without the LM head (a plain forward computes logits)."""
+        def run():
+            rows, mask = [], {}
+            hooks = [blocks[i].register_forward_hook(
+                lambda m, a, out: rows.append((out[0] if isinstance(out, tuple) else out)[
+                    mask["select"]].to("cpu", copy=True))) for i in layers]
+            try:
+                with torch.no_grad():
+                    for start in range(0, n, 32):
+                        batch = tok(prompts[start:start + 32], return_tensors="pt", padding=True)
+                        select = batch.attention_mask.bool()
+                        if positions == "last":
+                            select = torch.zeros_like(select)
+                            select[:, -1] = True  # left padding: every prompt's last token is the last column
+                        mask["select"] = select
+                        model(**batch)
+                        rows.clear()  # the rows of a batch are dropped once copied, as collect writes them
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        return run
+
+    def nnterp(positions, layers):
+        def run():
+            with tempfile.TemporaryDirectory() as folder:
+                collect(std, prompts, folder, layers=layers, positions=positions, batch_size=32, progress=False)
+        return run
+
+    every, half = list(range(12)), list(range(6))
+    cases = [("last token, every block", "last", every), ("all positions, every block", "all", every),
+             ("last token, blocks 0-5 (collect stops after block 5)", "last", half)]
+    print(f"\ncollection throughput, GPT-2-small shape, batch 32, {n} prompts, layer_output, median of {rounds}")
+    for label, positions, layers in cases:
+        variants = {"floor": floor(positions, layers), "floor, no head": floor(positions, layers, base.transformer),
+                    "collect": nnterp(positions, layers)}
+        times = {name: [] for name in variants}
+        for fn in variants.values():
+            fn()  # warm up
+        for _ in range(rounds):
+            order = list(variants.items())
+            random.shuffle(order)
+            for name, fn in order:
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        print(f"  {label}\n    " + ", ".join(f"{name} {n / seconds:.1f} prompts/s" for name, seconds in medians.items())
+              + f"\n    collect/floor throughput = {medians['floor'] / medians['collect']:.3f}, collect/floor without "
+              f"the head = {medians['floor, no head'] / medians['collect']:.3f}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -414,6 +480,7 @@ def main():
     parser.add_argument("--tune-allocator", action="store_true",
                         help="nnterp.tune_allocator() first: glibc keeps freed memory (stable CPU figures)")
     parser.add_argument("--shapes-only", action="store_true", help="only the shapes table")
+    parser.add_argument("--collection-only", action="store_true", help="only the collection sections")
     args = parser.parse_args()
     if args.collection_child:
         collection_child(args.collection_child[0], int(args.collection_child[1]))
@@ -430,15 +497,17 @@ def main():
     if DEVICE.startswith("cuda"):
         shape_costs(["Llama-7B", "Llama-1B (GQA)"], [(8, 512), (1, 32), (16, 256)], max(rounds, 10))
         return
-    shape_costs(["Llama-tiny (16 x 64)"], [(1, 8), (8, 128)], max(rounds * 6, 12))
-    if args.shapes_only:
-        return
-    trace_costs("GPT-2-small shape (124M, random weights)", gpt2_small, rounds, with_tl=True)
-    trace_costs("Llama shape (12 x 768, random weights)", llama_small, rounds)
-    trace_costs("embedded SmolLM2-135M", smollm2, rounds)
-    attention_costs(rounds)
-    load_costs(rounds)
+    if not args.collection_only:
+        shape_costs(["Llama-tiny (16 x 64)"], [(1, 8), (8, 128)], max(rounds * 6, 12))
+        if args.shapes_only:
+            return
+        trace_costs("GPT-2-small shape (124M, random weights)", gpt2_small, rounds, with_tl=True)
+        trace_costs("Llama shape (12 x 768, random weights)", llama_small, rounds)
+        trace_costs("embedded SmolLM2-135M", smollm2, rounds)
+        attention_costs(rounds)
+        load_costs(rounds)
     collection_costs(200 if args.quick else 2000)
+    collection_throughput(64 if args.quick else 320, rounds)
 
 
 if __name__ == "__main__":
