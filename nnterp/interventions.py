@@ -19,7 +19,7 @@ from .selection import forward_order, layer_indices, token_index, value_name
 
 # -- steering -------------------------------------------------------------------------------------
 
-def steered_generate(model, prompts, vector: torch.Tensor, layers, *, value: str = "layer_output",
+def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str = "layer_output",
                      factor: float = 1.0, scope: str | range = "all", positions: Positions = None,
                      batch: Positions = None, max_new_tokens: int = 20, remote: bool | str = False,
                      **generate_kwargs) -> torch.Tensor:
@@ -30,8 +30,12 @@ def steered_generate(model, prompts, vector: torch.Tensor, layers, *, value: str
     is the prompt, step k the k-th generated token). ``positions`` apply to the prompt step;
     a generated step steers its one new position. The generation runs exactly
     ``max_new_tokens`` steps (``min_new_tokens`` is set to it) so that every scope is reached.
-    Returns the token ids, prompt included.
+    The arguments after ``prompts`` are ``add_to``'s: ``layers``, ``vector``, then by name
+    ``value``, ``factor``, ``positions``, ``batch``. Returns the token ids, prompt included.
     """
+    if isinstance(layers, torch.Tensor) and layers.is_floating_point() and not isinstance(vector, torch.Tensor):
+        raise TypeError("steered_generate(model, prompts, layers, vector, ...): the layers come before the vector, "
+                        "as in add_to(model, layers, vector); the call passed the vector first.")
     steps = _scope_steps(scope, max_new_tokens)
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs["min_new_tokens"] = max_new_tokens
@@ -219,8 +223,9 @@ def _last_token_values(model, prompts, layers, remote, name: str = "layer_output
     """``[layers, prompts, ...]``: value ``name`` at every prompt's last token (whichever side pads), on the CPU."""
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
     rows, last = torch.arange(len(prompts)), token_index(inputs.attention_mask, -1)
-    with torch.no_grad(), model.trace(inputs, remote=remote):
+    with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         read = nnsight.save({layer: model.read_value(layer, name)[rows, last].cpu() for layer in forward_order(layers)})
+        tracer.stop()  # nothing past the last layer read is needed
     return torch.stack([read[layer] for layer in layers])
 
 

@@ -8,6 +8,7 @@ import nnsight
 import torch
 
 from .selection import forward_order, layer_indices, token_index
+from .tokens import single_token, visible
 
 STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mlp_output")
 
@@ -35,7 +36,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     rows = torch.arange(len(prompts))
     index = None if position is None else token_index(inputs.attention_mask, position)
     signs = (1, -1) if return_inv_logits else (1,)
-    with torch.no_grad(), model.trace(inputs, remote=remote):
+    with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         per_layer = {}
         for i in forward_order(layers):
             hidden = model.read_value(i, name)
@@ -43,33 +44,33 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
             hidden = hidden if index is None else hidden[rows, index.to(hidden.device)].unsqueeze(1)
             per_layer[i] = [model.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu() for sign in signs]
         lenses = nnsight.save([torch.stack([per_layer[i][k] for i in layers], dim=1) for k in range(len(signs))])
+        tracer.stop()  # the readout ran here: the model's own head after the last layer read is not needed
     lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
     return tuple(lenses) if return_inv_logits else lenses[0]
 
 
-def top_tokens(model, probs: torch.Tensor, k: int = 5) -> list:
-    """The ``k`` most likely ``(token, probability)`` pairs for each distribution in ``probs`` (nested lists)."""
+def top_tokens(model, probs: torch.Tensor, k: int = 5, readable: bool = True) -> list:
+    """The ``k`` most likely ``(token, probability)`` pairs for each distribution in ``probs`` (nested lists).
+
+    Tokens are shown readable by default, whitespace visible (``"␣Paris"``, ``"\\n"``, see
+    ``nnterp.tokens.visible``); ``readable=False`` gives the exact decoded text (``" Paris"``).
+    """
+    probs = probs.detach()
     if probs.dim() == 1:
         top = probs.topk(k)
-        return [(model.tokenizer.decode(int(t)), float(p)) for t, p in zip(top.indices, top.values)]
-    return [top_tokens(model, row, k) for row in probs]
+        decoded = (model.tokenizer.decode(int(t)) for t in top.indices)
+        return [(visible(t) if readable else t, float(p)) for t, p in zip(decoded, top.values)]
+    return [top_tokens(model, row, k, readable) for row in probs]
 
 
 def _lens_table(model, probs: torch.Tensor, target: str | None = None, k: int = 3) -> str:
     """One prompt's lens ``[layers, vocab]`` as a text table (used by the CLI and the demo)."""
     lines = []
-    target_id = None
-    if target:
-        ids = model.tokenizer.encode(target, add_special_tokens=False)
-        if len(ids) != 1:
-            pieces = [model.tokenizer.decode([i]) for i in ids]
-            raise ValueError(f"The target {target!r} is {len(ids)} tokens {pieces}: follow one token, e.g. "
-                             f"{pieces[0]!r} (a word after a space usually starts with the space, e.g. ' Paris').")
-        target_id = ids[0]
+    target_id = None if target is None else single_token(model, target, "The target")
     header = f"  {'layer':>5}  " + (f"{'P(' + repr(target) + ')':>12}  {'rank':>6}  " if target else "") + f"top-{k}"
     lines.append(header)
     for i, (p, top) in enumerate(zip(probs, top_tokens(model, probs, k))):
-        shown = ", ".join(f"{tok!r} {q:.2f}" for tok, q in top)
+        shown = ", ".join(f"'{tok}' {q:.2f}" for tok, q in top)
         if target_id is None:
             lines.append(f"  {i:>5}  {shown}")
         else:

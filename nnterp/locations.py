@@ -122,8 +122,8 @@ class At:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
         return self.copy or self.heads or self.unflatten or self.heads_first
 
-    def read(self, block_envoy, num_heads: int):
-        envoy = self.envoy(block_envoy)
+    def read(self, block_envoy, num_heads: int, envoy=None):
+        envoy = self.envoy(block_envoy) if envoy is None else envoy
         # a view needs handing back only for gradients (edits in place reach the model through the storage)
         if not (self.copy or (self._derived and torch.is_grad_enabled())):
             return self._view(self._raw(envoy), block_envoy, num_heads)
@@ -158,8 +158,8 @@ class At:
             return (*args[: self.arg], tensor, *args[self.arg + 1 :]), kwargs
         return args, {**kwargs, self.kwarg: tensor}
 
-    def write(self, block_envoy, value, num_heads: int, key: str) -> None:
-        envoy = self.envoy(block_envoy)
+    def write(self, block_envoy, value, num_heads: int, key: str, envoy=None) -> None:
+        envoy = self.envoy(block_envoy) if envoy is None else envoy
         current = self._raw(envoy)
         expected = self._view_shape(block_envoy, current.shape, num_heads)
         if self.heads_first:

@@ -9,8 +9,11 @@ so each block type of the model is there.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from transformers import PretrainedConfig
+from transformers.utils import logging as transformers_logging
 
 HEADS = 4
 HEAD_DIM = 8
@@ -69,3 +72,18 @@ def _shrink(config: PretrainedConfig) -> None:
         value = getattr(config, name, None)
         if isinstance(value, int) and vocab and value >= vocab:
             setattr(config, name, vocab - 1)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars silenced for a while: what they say of a miniature's shrunk
+    sizes or of a small file converted once concerns no model of the user's. Restored after."""
+    verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()

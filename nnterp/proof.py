@@ -20,7 +20,7 @@ from .errors import NNterpError
 from .families import family_of
 from .families.base import ROUTED, SEQUENTIAL
 from .locations import At
-from .miniature import miniature_config
+from .miniature import miniature_config, quiet_transformers
 from .version import __version__
 
 IDENTITY_TERMS = ("layer_input", "attention_output", "mlp_output", "layer_output")
@@ -127,7 +127,9 @@ def validation_key(config, architecture: type, attention: bool = False) -> str:
     family = family_of(config, architecture.__name__)
     spec = [(sorted(map(repr, block.values.items())), repr(block.extra), block.formula)
             for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
-    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, miniature_config(config).to_json_string(use_diff=False),
+    with quiet_transformers():
+        mini = miniature_config(config).to_json_string(use_diff=False)
+    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, mini,
                        repr(spec), repr(family.attention_internals), torch.__version__, transformers.__version__,
                        _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -135,11 +137,12 @@ def validation_key(config, architecture: type, attention: bool = False) -> str:
 
 def build_miniature(config, architecture: type):
     """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
-    mini_config = miniature_config(config)
+    with quiet_transformers():
+        mini_config = miniature_config(config)
     mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
     generator = torch.Generator().manual_seed(0)
     # the model's own initialization draws from the global generator: leave the user's random state as it was
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), quiet_transformers():
         mini = architecture._from_config(mini_config, dtype=torch.float32)
     with torch.no_grad():
         for parameter in mini.parameters():

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from nnsight import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.modeling.transformers import TransformersModel
 from torch._guards import detect_fake_mode
@@ -189,6 +190,33 @@ class StandardizedTransformer(TransformersModel):
         if attention_values:
             self.enable_attention_values()
 
+    def __repr__(self) -> str:
+        """The model's own module tree (standard aliases shown as ``alias/native``), then the standard names."""
+        aliases = self._aliases
+        self._aliases = {alias: path for alias, path in aliases.items() if "." not in path}  # mounts: listed below
+        try:
+            tree = TransformersModel.__repr__(self)
+        finally:
+            self._aliases = aliases
+        family = self.family
+        lines = [tree, "",
+                 f"Standard names ({family.name} family, {self.num_layers} blocks):",
+                 f"  model.layers[i] = {family.layers}[i]",
+                 f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
+                 f"model.lm_head = {family.lm_head}"]
+        groups: dict[tuple, list[int]] = {}
+        for i in range(self.num_layers):
+            table = self.availability(i)
+            available = tuple(key for _, key, _ in self.timeline(i) if not key.startswith("extra."))
+            unavailable = tuple(key for key, entry in table.items() if not entry.available)
+            groups.setdefault((available, unavailable), []).append(i)
+        for (available, unavailable), layers in groups.items():
+            which = "every block" if len(groups) == 1 else f"blocks {_ranges(layers)}"
+            lines.append(f"  {which}, in forward order: {', '.join(available)}")
+            if unavailable:
+                lines.append(f"    unavailable (model.availability({layers[0]}) says why): {', '.join(unavailable)}")
+        return "\n".join(lines)
+
     # -- model-level names --------------------------------------------------------------
     @property
     def family(self) -> Family:
@@ -247,6 +275,7 @@ class StandardizedTransformer(TransformersModel):
             return
         TransformersModel.dispatch(self)
         self._module.eval()
+        self._nnterp_resolved.clear()  # the envoys now stand for the loaded modules
 
     # -- remote execution ---------------------------------------------------------------------
     def _remoteable_class(self) -> type:
@@ -310,7 +339,7 @@ class StandardizedTransformer(TransformersModel):
         """Every block's values (the attention internals as they are on or off), and the modules read
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
-        self._nnterp_resolved: dict[tuple[int, str], tuple[At, str]] = {}
+        self._nnterp_resolved: dict[tuple[int, str], tuple] = {}
         self._nnterp_blocks = tuple(dataclasses.replace(block, values={**block.values, **where})
                                     for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
@@ -346,14 +375,24 @@ class StandardizedTransformer(TransformersModel):
 
     def read_value(self, layer: int, name: str) -> torch.Tensor:
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
-        return self.read_at(layer, *self._resolved(layer, name))
+        location, key, block, envoy = self._resolved(layer, name)
+        self._begin_pass(block)
+        try:
+            return location.read(block, self._nnterp_num_heads, envoy)
+        except OutOfOrderError as error:
+            raise self._out_of_order(layer, key, error) from None
 
-    def _resolved(self, layer: int, name: str) -> tuple[At, str]:
-        """(location, key) of a value of a block, resolved once (a value's place is fixed until the attention
-        values are turned on or off); an unavailable value raises every time."""
+    def _resolved(self, layer: int, name: str) -> tuple[At, str, Envoy, Envoy | None]:
+        """(location, key, block envoy, module envoy) of a value of a block, resolved once per model (a value's
+        place is fixed until the attention values are turned on or off), so that a read walks no path; an
+        unavailable value raises every time. An operation inside a forward is looked up on each read:
+        ``.source`` is instrumented per pass."""
         found = self._nnterp_resolved.get((layer, name))
         if found is None:
-            found = self._nnterp_resolved[(layer, name)] = (self.location(layer, name), value_named(name).key)
+            location = self.location(layer, name)
+            block = self.layers[layer]
+            envoy = None if location.op else location.envoy(block)
+            found = self._nnterp_resolved[(layer, name)] = (location, value_named(name).key, block, envoy)
         return found
 
     def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
@@ -394,11 +433,10 @@ class StandardizedTransformer(TransformersModel):
 
     def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
         """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
-        location, key = self._resolved(layer, name)
-        block = self.layers[layer]
+        location, key, block, envoy = self._resolved(layer, name)
         self._begin_pass(block)
         try:
-            location.write(block, value, self.num_heads, key)
+            location.write(block, value, self.num_heads, key, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
@@ -493,3 +531,14 @@ def forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
         fake_log.level = level
         for handle in handles:
             handle.remove()
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -202,3 +202,54 @@ def test_availability_prints_one_value_a_line(llama):
     lines = repr(table).splitlines()
     assert len(lines) == len(table) and all(len(line) < 140 for line in lines)
     assert lines[0].startswith("layer_input") and "self_attn.queries" in repr(table)
+
+
+@pytest.fixture(scope="module")
+def gptj():
+    return StandardizedTransformer(build_tiny(BY_MODEL_TYPE["gptj"].tiny_config()), tokenizer=tiny_tokenizer())
+
+
+def test_hasattr_outside_a_trace_tells_availability_on_every_family(llama, gptj):
+    for model in (llama, gptj):
+        for i in range(model.num_layers):
+            table = model.availability(i)
+            for key, entry in table.items():
+                owner, _, name = key.rpartition(".")
+                envoy = model.layers[i] if not owner else getattr(model.layers[i], owner)
+                assert hasattr(envoy, name) == entry.available, (model.family.name, i, key)
+    assert not hasattr(gptj.layers[0], "layer_mid") and hasattr(llama.layers[0], "layer_mid")
+
+
+def test_a_value_outside_a_trace_says_where_it_lives_and_how_to_read_it(llama):
+    value = llama.layers[1].layer_mid
+    assert "post_attention_layernorm.input" in repr(value) and "model.trace" in repr(value)
+    with pytest.raises(ValueError, match=r"layers\[1\]\.layer_mid is a tensor only inside a trace"):
+        value.shape  # noqa: B018
+    with pytest.raises(ValueError, match=r"assigned only inside a trace"):
+        llama.layers[1].layer_mid = torch.zeros(1, 4, 64)
+    with llama.trace(IDS):  # and inside a trace the same access is the live tensor
+        inside = llama.layers[1].layer_mid.save()
+    assert inside.shape == (1, 4, 64)
+
+
+def test_printing_the_model_shows_its_tree_once_and_the_standard_names(gptj):
+    text = repr(gptj)
+    assert text.count("GPTJBlock(") == 1  # the block list is not repeated under its alias
+    assert "(layers/h): ModuleList(" in text
+    assert "model.layers[i] = transformer.h[i]" in text and "model.ln_final = transformer.ln_f" in text
+    order = gptj.order(0)
+    listed = text.split("in forward order: ")[1].splitlines()[0].split(", ")
+    assert sorted(listed) == sorted(order)
+    assert [order[k] for k in listed] == sorted(order[k] for k in listed)  # listed in forward order
+    assert "unavailable (model.availability(0) says why):" in text and "layer_mid" in text.split("unavailable")[-1]
+
+
+def test_generated_docs_draw_no_transformers_warnings_and_leave_logging_as_found(capfd):
+    from transformers.utils import logging as transformers_logging
+
+    from nnterp.documentation import generated_pages
+
+    before = transformers_logging.get_verbosity()
+    generated_pages()
+    assert "[transformers]" not in capfd.readouterr().err
+    assert transformers_logging.get_verbosity() == before

@@ -38,3 +38,27 @@ def test_docs_writes_into_the_given_folder_or_the_checkouts(tmp_path, capsys):
     main(["docs", "--folder", str(tmp_path / "site-pages")])
     assert (tmp_path / "site-pages" / "families" / "llama.md").is_file()
     assert "pages under" in capsys.readouterr().out
+
+
+def test_check_aligns_its_table_and_states_each_reason_once(folder, capsys):
+    from nnterp import StandardizedTransformer
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", folder])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    table = StandardizedTransformer(folder).availability(0)
+    rows = [line for line in out if line.startswith("  ") and line.split()[0] in table]
+    assert len(rows) == len(table)
+    assert len({line.index(line[2:].split(None, 1)[1], 2) for line in rows}) == 1  # the places start in one column
+    reasons = {entry.reason for entry in table.values() if not entry.available}
+    assert reasons and all(sum(reason in line for line in out) == 1 for reason in reasons)
+
+
+@pytest.mark.parametrize("command", ["demo", "lens", "check", "docs"])
+def test_every_option_says_what_it_is(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    options = capsys.readouterr().out.split("options:")[1].splitlines()[1:]
+    flags = [line.split() for line in options if line.lstrip().startswith("--") and not line.lstrip().startswith("--help")]
+    assert all(len(words) > 2 for words in flags), flags  # "--flag VALUE" then its help text

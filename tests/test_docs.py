@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from nnterp.doctest_runner import blocks, run_page
+from nnterp.doctest_runner import blocks, pictures, run_page
 from nnterp.documentation import GENERATED, generated_pages
 from nnterp.families import FAMILIES
 
@@ -36,14 +37,28 @@ def test_every_family_page_has_its_formula_and_reasons():
     assert "routed mixture of experts" in pages["families/mixtral.md"]
 
 
+def test_the_families_index_counts_the_block_shapes_each_page_shows():
+    pages = generated_pages()
+    counts = dict(re.findall(r"^\| \[[^]]+\]\(([\w-]+\.md)\) \|.*\| (\d+) \|$", pages["families/index.md"], re.M))
+    assert len(counts) == len(FAMILIES)
+    for name, count in counts.items():
+        assert len(re.findall(r"^## Values", pages[f"families/{name}"], re.M)) == int(count), name
+    # Falcon: parallel with one norm (7B and the new architecture with one), sequential (RW), two norms (40B)
+    assert counts["falcon.md"] == "3" and counts["gpt-neox.md"] == "2" and counts["qwen2-moe.md"] == "2"
+    assert "## Values of `parallel_attn=False` (RW style)" in pages["families/falcon.md"]
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("page", WRITTEN, ids=lambda p: str(p.relative_to(DOCS)))
-def test_code_blocks_print_what_the_page_says(page):
-    results = run_page(page)
+def test_code_blocks_print_what_the_page_says(page, tmp_path):
+    results = run_page(page, tmp_path)
     assert len(results) == len(blocks(page.read_text()))
     for code, expected, printed in results:
         if expected is not None:
             assert printed == expected, f"{page.name}: the block\n{code}\nprinted\n{printed}"
+    for name in pictures(page.read_text()):  # each picture the page shows is drawn by its code
+        assert (tmp_path / name).is_file(), f"{page.name} shows images/{name}, which its code does not draw"
+        assert (DOCS / "images" / name).is_file(), f"run `python -m nnterp docs --pictures`: images/{name} is missing"
 
 
 def test_site_builds_strictly(tmp_path):

@@ -192,8 +192,8 @@ def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tm
                 activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2], remote=True))
     assert_same(patchscope_lens(model, prompts, "the cat is"), patchscope_lens(model, prompts, "the cat is", remote=True))
     vector = torch.linspace(-1, 1, model.hidden_size)
-    assert_same(steered_generate(model, "the cat", vector, 1, factor=4.0, max_new_tokens=3),
-                steered_generate(model, "the cat", vector, 1, factor=4.0, max_new_tokens=3, remote=True))
+    assert_same(steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3),
+                steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3, remote=True))
     values = ["layer_output", "mlp.mlp_output"]
     here = collect(model, prompts * 3, tmp_path / "local", values, positions="all", batch_size=4, progress=False)
     there = collect(model, prompts * 3, tmp_path / "remote", values, positions="all", batch_size=4, progress=False,
@@ -238,3 +238,18 @@ def test_a_module_the_server_lacks_fails_the_request(checkpoints, requests):
     with pytest.raises(RemoteFailure, match="Module:model.transformer.h.0.probe"):
         with extra.trace(IDS, remote=True):
             nnsight.save(extra.layers[0].layer_output)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gptj"])
+def test_run_with_cache_and_test_prompt_run_remotely_bit_exactly(case, checkpoints, requests):
+    model = load(case, checkpoints)
+    prompts = ["the cat sat on the mat", "Paris is in"]
+    logits, cache = model.run_with_cache(prompts)
+    logits_remote, cache_remote = model.run_with_cache(prompts, remote=True)
+    assert torch.equal(logits, logits_remote) and cache.keys() == cache_remote.keys()
+    assert not logits_remote.requires_grad and not any(cache_remote[key].requires_grad for key in cache_remote)
+    assert ("attention_probabilities", 1) in cache  # the internals too, where the family has them
+    for key in cache:
+        assert torch.equal(cache[key], cache_remote[key]), key
+    answer = [model.test_prompt("the cat sat on the", "mat", print_results=False, remote=remote) for remote in (0, 1)]
+    assert answer[0] == answer[1] and requests

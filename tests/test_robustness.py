@@ -87,7 +87,7 @@ def test_a_position_past_a_prompt_is_an_error(llama, tmp_path):
 
 def test_a_steering_scope_the_generation_never_reaches_is_an_error(llama):
     with pytest.raises(ValueError, match=r"steps \[5, 6, 7, 8\]"):
-        steered_generate(llama, "the cat", torch.ones(64), 1, scope=range(5, 9), max_new_tokens=3)
+        steered_generate(llama, "the cat", 1, torch.ones(64), scope=range(5, 9), max_new_tokens=3)
 
 
 def test_skip_layers_backwards_is_an_error(llama):

@@ -182,7 +182,7 @@ def test_model_steer_is_the_1x_method(llama):
 def test_steering_during_generation_follows_its_scope(llama, scope, steps):
     vector = 3 * torch.randn(64, generator=torch.Generator().manual_seed(1))
     prompt = ids_of(llama, CLEAN)
-    got = steered_generate(llama, prompt, vector, layers=[1], scope=scope, max_new_tokens=5)
+    got = steered_generate(llama, prompt, [1], vector, scope=scope, max_new_tokens=5)
 
     calls = []
 
@@ -202,7 +202,7 @@ def test_steering_during_generation_follows_its_scope(llama, scope, steps):
     finally:
         handle.remove()
     assert torch.equal(got.cpu(), expected)
-    plain = steered_generate(llama, prompt, torch.zeros(64), layers=[1], scope="all", max_new_tokens=5)
+    plain = steered_generate(llama, prompt, [1], torch.zeros(64), scope="all", max_new_tokens=5)
     with torch.no_grad():
         unsteered = llama._module.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
                                            min_new_tokens=5, do_sample=False)
@@ -211,7 +211,9 @@ def test_steering_during_generation_follows_its_scope(llama, scope, steps):
 
 def test_generation_scope_is_checked(llama):
     with pytest.raises(ValueError, match="scope"):
-        steered_generate(llama, CLEAN, torch.zeros(64), layers=[1], scope="sometimes", max_new_tokens=2)
+        steered_generate(llama, CLEAN, [1], torch.zeros(64), scope="sometimes", max_new_tokens=2)
+    with pytest.raises(TypeError, match="the layers come before the vector, as in add_to"):
+        steered_generate(llama, CLEAN, torch.zeros(64), [1], max_new_tokens=2)
 
 
 # -- skipping --------------------------------------------------------------------------------------

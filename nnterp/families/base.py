@@ -84,6 +84,9 @@ class Family:
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
     # what the model does to the normed stream before the head (MiniCPM3 divides it by logits_scaling)
     head_input_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+    # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
+    # the test config first with no changes; empty where every config of the family has the same blocks
+    variants: tuple[tuple[str, dict], ...] = ()
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""

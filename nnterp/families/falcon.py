@@ -1,4 +1,4 @@
-"""Falcon, in its four block shapes.
+"""Falcon, in four configurations and three block shapes.
 
 - ``parallel_attn=True`` (7B style): parallel, one shared ``input_layernorm``.
 - ``parallel_attn=False`` (RW style, ALiBi or RoPE): sequential pre-norm.
@@ -30,7 +30,8 @@ def _check(config):
 def _block(config, i):
     if not config.parallel_attn:
         return pre_norm_block(input_norm="input_layernorm", post_norm="post_attention_layernorm", **_MODULES)
-    two_norms = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
+    # transformers sets an unset num_ln_in_parallel_attn to 2 on the new architecture when it builds the model
+    two_norms = config.new_decoder_architecture and config.num_ln_in_parallel_attn in (None, 2)
     return parallel_block(
         input_norm="ln_attn" if two_norms else "input_layernorm", mlp_norm="ln_mlp" if two_norms else None,
         order="(m + a) + x", mlp_output=output("mlp", copy=True), **_MODULES,
@@ -51,4 +52,9 @@ FALCON = Family(
     tiny_config=lambda: FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=128,
                                      new_decoder_architecture=False, parallel_attn=True, multi_query=True),
     check_config=_check,
+    variants=(("`parallel_attn=True` (7B style)", {}),
+              ("`parallel_attn=False` (RW style)", {"parallel_attn": False}),
+              ("`new_decoder_architecture=True` (40B style)", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+              ("`new_decoder_architecture=True, num_ln_in_parallel_attn=1`",
+               {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1})),
 )

@@ -52,6 +52,7 @@ def _zaya_block(config, i):
 DOGE = Family(
     name="Doge", model_types=("doge",), **MODEL_LAYERS, block=_doge_block,
     tiny_config=lambda: DogeConfig(**_SMALL, intermediate_size=128, keep_window_size=2048),
+    variants=(("a dense MLP", {}), ("`is_moe=True`", {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4})),
 )
 ZAYA = Family(
     name="ZAYA", model_types=("zaya",), **MODEL_LAYERS, block=_zaya_block,

@@ -54,4 +54,7 @@ GEMMA4 = Family(
         hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4, top_k_experts=2,
         moe_intermediate_size=32,
     ),
+    variants=(("`enable_moe_block=True`, a per-layer input", {}),
+              ("`enable_moe_block=False`, no per-layer input",
+               {"enable_moe_block": False, "hidden_size_per_layer_input": 0})),
 )

@@ -33,4 +33,5 @@ GPT_NEOX = Family(
         hidden_size=64, num_attention_heads=4, num_hidden_layers=3, intermediate_size=128, vocab_size=128,
         max_position_embeddings=64, use_parallel_residual=True,
     ),
+    variants=(("`use_parallel_residual=True`", {}), ("`use_parallel_residual=False`", {"use_parallel_residual": False})),
 )

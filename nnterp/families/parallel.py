@@ -23,16 +23,20 @@ def _stablelm_block(config, i):
     return pre_norm_block(post_norm="post_attention_layernorm", **modules)
 
 
-def _family(name, model_type, ln_final, block, tiny_config, **readout):
+def _family(name, model_type, ln_final, block, tiny_config, **options):
     return Family(name=name, model_types=(model_type,), **{**MODEL_LAYERS, "ln_final": ln_final}, block=block,
-                  tiny_config=tiny_config, **readout)
+                  tiny_config=tiny_config, **options)
 
 
 PHI = _family("Phi", "phi", "model.final_layernorm", lambda config, i: parallel_block(
     input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.dense", mlp="mlp",
     act="mlp.activation_fn", down_proj="mlp.fc2", order="(a + m) + x"), lambda: PhiConfig(**_SMALL))
 STABLELM = _family("StableLM", "stablelm", "model.norm", _stablelm_block,
-                   lambda: StableLmConfig(**_SMALL, num_key_value_heads=4, use_parallel_residual=True))
+                   lambda: StableLmConfig(**_SMALL, num_key_value_heads=4, use_parallel_residual=True),
+                   variants=(("`use_parallel_residual=True`", {}),
+                             ("`use_parallel_residual=False`", {"use_parallel_residual": False})))
+
+
 def _cohere_block(config, i):
     routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if routed_layer(config, i) else {}
     return parallel_block(input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",

@@ -1,0 +1,115 @@
+"""Tokens as text: ``to_str_tokens``, ``test_prompt``, and a readable form where whitespace shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nnsight
+import torch
+
+SHOWN = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def visible(token: str) -> str:
+    """``token`` with its whitespace shown: ``" Paris"`` -> ``"␣Paris"``, ``"\\n"`` -> ``"\\\\n"``.
+
+    Other characters that print nothing are escaped as Python does; an empty token is ``"∅"``.
+    """
+    if not token:
+        return "∅"
+    return "".join(SHOWN.get(c, c if c.isprintable() else repr(c)[1:-1]) for c in token)
+
+
+def to_str_tokens(model, text_or_ids) -> list[str] | list[list[str]]:
+    """Each token as the text it decodes to, exactly as the model's traces tokenize the input.
+
+    A string or a 1-D tensor or list of ids gives a list of strings; a list of strings or a 2-D
+    tensor gives one list per row (each prompt tokenized on its own, without padding).
+    Special tokens the tokenizer adds (a BOS) are included, since the model reads them.
+    """
+    tokenizer = model.tokenizer
+    if isinstance(text_or_ids, str):
+        return [tokenizer.decode([i]) for i in tokenizer(text_or_ids).input_ids]
+    if isinstance(text_or_ids, torch.Tensor):
+        if text_or_ids.dim() not in (1, 2):
+            raise ValueError(f"Token ids are [seq] or [batch, seq], not a tensor of shape {tuple(text_or_ids.shape)}.")
+        text_or_ids = text_or_ids.tolist()
+    if isinstance(text_or_ids, (list, tuple)):
+        if all(isinstance(item, int) for item in text_or_ids):
+            return [tokenizer.decode([i]) for i in text_or_ids]
+        return [to_str_tokens(model, item) for item in text_or_ids]
+    raise TypeError(f"to_str_tokens takes a string, a list of strings, or token ids, not {type(text_or_ids).__name__}.")
+
+
+def single_token(model, token: str | int, what: str = "The token") -> int:
+    """The id of ``token`` (an id, or a string that is one token); a clear error for several tokens."""
+    if isinstance(token, int):
+        if not 0 <= token < model.vocab_size:
+            raise ValueError(f"{what} id {token} is outside the vocabulary (0 to {model.vocab_size - 1}).")
+        return token
+    ids = model.tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = [model.tokenizer.decode([i]) for i in ids]
+        raise ValueError(f"{what} {token!r} is {len(ids)} tokens {pieces}: give one token, e.g. {pieces[0] if pieces else ''!r} "
+                         "(a word after a space usually starts with the space, e.g. ' Paris').")
+    return ids[0]
+
+
+@dataclass(frozen=True)
+class AnswerToken:
+    """How the model ranks one token of the answer, at the position that predicts it."""
+
+    token: str
+    id: int
+    rank: int  # 1 for the most likely token
+    probability: float
+    logit: float
+    top: list[tuple[str, float]]  # the most likely tokens there, readable, with their probabilities
+
+    def __str__(self) -> str:
+        top = " | ".join(f"{token} {p:.4f}" for token, p in self.top)
+        return (f"{visible(self.token)}: rank {self.rank}, probability {self.probability:.4f}, "
+                f"logit {self.logit:.3f}\n  top {len(self.top)}: {top}")
+
+
+def test_prompt(model, prompt: str, answer: str, top_k: int = 10, prepend_space: bool = True,
+                print_results: bool = True, remote: bool | str = False) -> list[AnswerToken]:
+    """How the model ranks ``answer`` after ``prompt``: one ``AnswerToken`` per token of the answer.
+
+    The answer's tokens follow the prompt's (tokenized on their own, as TransformerLens does) in
+    one forward pass; each is ranked by the distribution at the position before it. With
+    ``prepend_space`` an answer that does not start with whitespace gets a leading space, as a
+    word after a space is usually tokenized. Prints the tokens, the ranks and the ``top_k`` most
+    likely tokens (whitespace shown, ``␣`` for a space) unless ``print_results=False``.
+    """
+    if not answer:
+        raise ValueError("test_prompt needs a non-empty answer.")
+    if prepend_space and not answer[0].isspace():
+        answer = " " + answer
+    tokenizer = model.tokenizer
+    prompt_ids = tokenizer(prompt).input_ids
+    answer_ids = tokenizer.encode(answer, add_special_tokens=False)
+    ids = torch.tensor([prompt_ids + answer_ids[:-1]])
+    first = len(prompt_ids) - 1  # the position that predicts the answer's first token
+    with torch.no_grad(), model.trace(ids, remote=remote):
+        logits = nnsight.save(model.logits[0, first:].detach().float().cpu())
+    probs = logits.softmax(dim=-1)
+    results = []
+    for k, token_id in enumerate(answer_ids):
+        p = probs[k]
+        top = p.topk(min(top_k, p.shape[0]))
+        results.append(AnswerToken(
+            token=tokenizer.decode([token_id]), id=token_id, rank=int((p > p[token_id]).sum()) + 1,
+            probability=float(p[token_id]), logit=float(logits[k, token_id]),
+            top=[(visible(tokenizer.decode([int(i)])), float(q)) for i, q in zip(top.indices, top.values)]))
+    if print_results:
+        print("Prompt:", [visible(t) for t in to_str_tokens(model, prompt_ids)])
+        print("Answer:", [visible(t) for t in to_str_tokens(model, answer_ids)])
+        for result in results:
+            print(result)
+    return results
+
+
+test_prompt.__test__ = False  # a library function, not a test for pytest to collect
+
+__all__ = ["AnswerToken", "single_token", "test_prompt", "to_str_tokens", "visible"]
