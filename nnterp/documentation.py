@@ -43,7 +43,7 @@ def _groups(family: Family) -> list[tuple[list[int], Block]]:
     groups: list[tuple[list[int], Block]] = []
     for i in range(config.num_hidden_layers):
         structure = family.block(config, i)
-        block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family, config)})
+        block = dataclasses.replace(structure, values={**internal_locations(family, config), **structure.values})
         for layers, seen in groups:
             if repr(sorted(seen.values.items())) == repr(sorted(block.values.items())) and seen.formula == block.formula:
                 layers.append(i)

@@ -178,8 +178,9 @@ class StandardizedTransformer(TransformersModel):
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
-            block.self_attn._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
+            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At):  # a hybrid's other blocks
+                block.self_attn._nnterp_slot = slot  # have no attention: `self_attn` says why (BlockEnvoy)
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
                                     for block in self._nnterp_blocks for location in block.values.values())
@@ -337,7 +338,8 @@ class StandardizedTransformer(TransformersModel):
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
         self._nnterp_resolved: dict[tuple[int, str], tuple] = {}
-        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**block.values, **where})
+        # a block that places the internals itself (unavailable: a hybrid's block without attention) keeps them
+        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**where, **block.values})
                                     for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
                                        for i, block in enumerate(self._nnterp_blocks)

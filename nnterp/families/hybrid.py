@@ -1,0 +1,104 @@
+"""Hybrids: blocks that mix tokens with attention on some layers and with another mixer on the others.
+
+Jamba and Bamba (Mamba, Mamba-2), Qwen3-Next (Gated DeltaNet linear attention), LFM2 (short
+convolution). Every block is a sequential pre-norm block; only its token mixer changes with
+the layer (``config.layer_types``). ``mixer_output`` is what the block's token mixer adds to
+the stream: on an attention block it is ``self_attn.attention_output``, on the others the
+mixer module's output, where the attention's values (and ``layers[i].self_attn`` itself) are
+unavailable with the reason. The identity of those blocks is written with ``mixer_output``.
+``attention_norm_output`` and ``layer_mid`` are the normed stream the mixer reads and the
+stream after its add, on every block.
+"""
+
+from transformers import BambaConfig, JambaConfig, Lfm2Config, Qwen3NextConfig
+
+from ..catalog import ATTENTION_VALUES
+from .base import MODEL_LAYERS, ROUTED, Block, Family, Unavailable, output, pre_norm_block
+from .moe import routed_layer
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def is_attention(config, i) -> bool:
+    """Whether block ``i`` mixes tokens with attention, by the config's own list of layer types."""
+    return config.layer_types[i] in ATTENTION_LAYERS
+
+
+def mixer_block(base: Block, layer: int, mixer: str, kind: str) -> Block:
+    """``base`` (built with the mixer module where an attention block has its attention) on a block that mixes
+    tokens with ``kind``: the mixer's output is ``mixer_output``, the attention's values are unavailable."""
+    reason = Unavailable(f"block {layer} mixes tokens with {kind}, not attention: its contribution "
+                         "is mixer_output")
+    return Block(
+        values={**base.values, "mixer_output": base.values["attention_output"], **dict.fromkeys(ATTENTION_VALUES, reason)},
+        formula=base.formula.replace("attention_output", "mixer_output"),
+        combine=lambda t, module: base.combine({**t, "attention_output": t["mixer_output"]}, module),
+        extra=base.extra,
+        ulps=base.ulps,
+    )
+
+
+def _hybrid(*, mixer: str, kind: str, is_routed=lambda config, i: False, o_proj="self_attn.o_proj", **modules):
+    """A block function: ``pre_norm_block(**modules)`` around attention or around ``mixer``, layer by layer."""
+    def block(config, i):
+        routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {}
+        if is_attention(config, i):
+            return pre_norm_block(attention="self_attn", o_proj=o_proj, **modules, **routed)
+        return mixer_block(pre_norm_block(attention=mixer, o_proj="", **modules, **routed), i, mixer, kind)
+    return block
+
+
+# Jamba and Bamba: feed_forward after pre_ff_layernorm; Jamba's feed_forward is a mixture on the layers
+# its config gives experts.
+_JAMBA_MODULES = dict(input_norm="input_layernorm", post_norm="pre_ff_layernorm", mlp="feed_forward",
+                      act="feed_forward.act_fn", down_proj="feed_forward.down_proj")
+_FEED_FORWARD = dict(layers="model.layers", embed_tokens="model.embed_tokens", ln_final="model.final_layernorm",
+                     attention="self_attn", mlp="feed_forward")
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+JAMBA = Family(
+    name="Jamba", model_types=("jamba",), **_FEED_FORWARD,
+    block=_hybrid(mixer="mamba", kind="a Mamba layer", is_routed=lambda config, i: config.layers_num_experts[i] > 1,
+                  **_JAMBA_MODULES),
+    # blocks 0 and 2 Mamba with experts, 1 attention, 3 Mamba
+    tiny_config=lambda: JambaConfig(**_SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
+                                    expert_layer_period=2, expert_layer_offset=0, num_experts=4, num_experts_per_tok=2,
+                                    mamba_d_state=8, use_mamba_kernels=False),
+)
+BAMBA = Family(
+    name="Bamba", model_types=("bamba",), **_FEED_FORWARD,
+    block=_hybrid(mixer="mamba", kind="a Mamba-2 layer", **_JAMBA_MODULES),
+    tiny_config=lambda: BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
+                                    mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
+)
+# Qwen3-Next: the Qwen-MoE block (a gated attention: each head's output is scaled by a sigmoid gate before
+# o_proj, so attention_premix is not probabilities · values), Gated DeltaNet on the other layers.
+QWEN3_NEXT = Family(
+    name="Qwen3-Next", model_types=("qwen3_next",), **MODEL_LAYERS,
+    block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", is_routed=routed_layer,
+                  input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp",
+                  act="mlp.act_fn", down_proj="mlp.down_proj"),
+    premix_is_not_mixed_values="each head's output is multiplied by a sigmoid gate (from q_proj) before o_proj",
+    tiny_config=lambda: Qwen3NextConfig(
+        **_SMALL, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[2], linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8),
+)
+
+
+# LFM2: operator_norm before the mixer, ffn_norm before feed_forward (w2(silu(w1(x)) * w3(x))), the mixer's
+# output added first: (a + x) + m. The final norm is model.embedding_norm.
+def _lfm2_sum(t, block):
+    return (t["attention_output"] + t["layer_input"]) + t["mlp_output"]
+
+
+LFM2 = Family(
+    name="LFM2", model_types=("lfm2",), layers="model.layers", embed_tokens="model.embed_tokens",
+    ln_final="model.embedding_norm", attention="self_attn", mlp="feed_forward",
+    block=_hybrid(mixer="conv", kind="a short convolution", o_proj="self_attn.out_proj", input_norm="operator_norm", post_norm="ffn_norm",
+                  mlp="feed_forward", act="", down_proj="feed_forward.w2",
+                  formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum,
+                  mlp_activation=output("feed_forward", op="F_silu_0")),
+    tiny_config=lambda: Lfm2Config(**_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+)
