@@ -1,0 +1,242 @@
+"""Hybrids (attention on some blocks, Mamba / linear attention / short convolution on the others) against plain hooks.
+
+Ground truth: module boundaries written from transformers' decoder-layer code, captured with forward hooks on the
+unwrapped model; the identities are the blocks' own arithmetic. Which block has which mixer is read from the HF
+model's modules, not from the family spec.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nnsight.intervention.interleaver import OutOfOrderError
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer, ValueUnavailable
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.miniature import miniature_config
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, perturb, tiny_tokenizer
+from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+
+ATTENTION_VALUES = ("attention_premix", "attention_output")
+
+
+def truth(ln1, ln2, mlp, act, down, o_proj="o_proj"):
+    """value -> (module path, side) of block ``i`` of ``blocks``, by the modules the block really has."""
+    def of(blocks):
+        def at(i):
+            block = blocks[i]
+            mixer = next(name for name in ("self_attn", "mamba", "linear_attn", "conv")
+                         if getattr(block, name, None) is not None)
+            attention = mixer == "self_attn"
+            routed = any("expert" in name for name, _ in block.get_submodule(mlp).named_modules())
+            values = {
+                "layer_input": ("", "in"), "attention_norm_output": (ln1, "out"),
+                "attention_premix": (f"self_attn.{o_proj}", "in") if attention else None,
+                "attention_output": ("self_attn", "out") if attention else None,
+                "mixer_output": (mixer, "out"), "layer_mid": (ln2, "in"), "mlp_norm_output": (ln2, "out"),
+                "mlp_input": (mlp, "in"), "mlp_activation": None if routed or not act else (act, "out"),
+                "mlp_neurons": None if routed else (down, "in"), "mlp_output": (mlp, "out"), "layer_output": ("", "out"),
+            }
+            if not act and not routed:  # an activation applied as a function: by the math (test below)
+                del values["mlp_activation"]
+            return values
+        return at
+    return of
+
+
+FEED_FORWARD = truth("input_layernorm", "pre_ff_layernorm", "feed_forward", "feed_forward.act_fn",
+                     "feed_forward.down_proj")
+# case -> (model type, truth, the first add (the stream after the mixer), mixer kind on its other blocks)
+CASES = {
+    "jamba": ("jamba", FEED_FORWARD, lambda x, a: x + a, "a Mamba layer"),
+    "bamba": ("bamba", FEED_FORWARD, lambda x, a: x + a, "a Mamba-2 layer"),
+    "qwen3_next": ("qwen3_next", truth("input_layernorm", "post_attention_layernorm", "mlp", "mlp.act_fn",
+                                       "mlp.down_proj"), lambda x, a: x + a, "a Gated DeltaNet linear attention"),
+    # LFM2's MLP applies silu as a function: its activation is checked by the math below
+    "lfm2": ("lfm2", truth("operator_norm", "ffn_norm", "feed_forward", "", "feed_forward.w2", o_proj="out_proj"),
+             lambda x, a: a + x, "a short convolution"),
+}
+
+
+def make(case, dtype=torch.float32):
+    model_type, of, first_add, kind = CASES[case]
+    hf = build_tiny(BY_MODEL_TYPE[model_type].tiny_config(), dtype)
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())  # proven on a miniature at load
+    hf.base_model_blocks = model.layers._module
+    return model, hf, of(hf.base_model_blocks), first_add, kind
+
+
+def mixers(hf):
+    return ["self_attn" if getattr(block, "self_attn", None) is not None else "other" for block in hf.base_model_blocks]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_values_equal_hooks_and_identity_holds_on_every_block(case, dtype):
+    model, hf, at, first_add, _ = make(case, dtype)
+    kinds = mixers(hf)
+    assert "self_attn" in kinds and "other" in kinds  # the test config has both block types
+    expected, expected_logits = hook_capture(hf, at, IDS)
+    saved, logits = read_all(model, IDS)
+    assert torch.equal(logits, expected_logits)
+    for i in range(model.num_layers):
+        for name, where in at(i).items():
+            if where is None:
+                assert (i, name) not in saved, f"layer {i}: {name} should be unavailable"
+                continue
+            got, want = saved[(i, name)], expected[(i, name)]
+            assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
+        x, a, mid, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "layer_mid", "mlp_output",
+                                                    "layer_output"))
+        assert torch.equal(mid, first_add(x, a)) and torch.equal(mid + m, y), f"layer {i}: identity"
+        if kinds[i] == "self_attn":
+            assert torch.equal(saved[(i, "attention_output")], a)
+        if i + 1 < model.num_layers:
+            assert torch.equal(y, expected[(i + 1, "layer_input")])
+    assert all(result.exact for result in check_identity(model, IDS)), [str(r) for r in check_identity(model, IDS)]
+
+
+def test_lfm2_mlp_activation_is_silu_of_w1():
+    model, hf, *_ = make("lfm2")
+    captured = {}
+    handle = hf.base_model_blocks[0].feed_forward.w1.register_forward_hook(
+        lambda m, a, o: captured.setdefault("w1", o.clone()))
+    try:
+        saved, _ = read_all(model, IDS)
+    finally:
+        handle.remove()
+    assert torch.equal(saved[(0, "mlp_activation")], torch.nn.functional.silu(captured["w1"]))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_order_and_availability_per_block_type(case):
+    model, hf, at, _, kind = make(case)
+    for i, mixer in enumerate(mixers(hf)):
+        order, table = model.order(i), model.availability(i)
+        names = {key.rpartition(".")[2] for key in order}
+        by_math = {"mlp_activation"} if "mlp_activation" not in at(i) else set()
+        assert names == {name for name, where in at(i).items() if where is not None} | by_math
+        assert list(order.values()) == sorted(order.values())
+        if mixer == "self_attn":
+            assert order["mixer_output"] == order["self_attn.attention_output"]
+            assert table["mixer_output"].location == table["self_attn.attention_output"].location
+            continue
+        assert order["attention_norm_output"] < order["mixer_output"] < order["layer_mid"]
+        for key in ("self_attn.attention_output", "self_attn.attention_premix", "self_attn.queries"):
+            assert table[key].reason == f"block {i} mixes tokens with {kind}, not attention: its contribution is mixer_output"
+        assert not hasattr(model.layers[i], "self_attn")
+        with pytest.raises(ValueUnavailable, match=f"'self_attn' is unavailable .*block {i} mixes tokens with"):
+            model.layers[i].self_attn  # noqa: B018
+        with pytest.raises(ValueUnavailable, match=f"block {i} mixes tokens with"):
+            with model.trace(IDS):
+                model.layers[i].self_attn.attention_output.save()
+
+
+def test_a_mixer_block_reads_in_forward_order_only():
+    model, hf, *_ = make("jamba")
+    block = mixers(hf).index("other")
+    with model.trace(IDS):
+        model.layers[block].mixer_output.save()
+        model.layers[block].layer_mid.save()
+    with pytest.raises(OutOfOrderError, match=rf"layers\[{block}\]\.mixer_output was requested"):
+        with model.trace(IDS):
+            model.layers[block].layer_mid.save()
+            model.layers[block].mixer_output.save()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
+    model, hf, at, *_ = make(case)
+    block = mixers(hf).index("other")
+    mixer, _ = at(block)["mixer_output"]
+    with torch.no_grad(), model.trace(IDS):
+        clean = model.logits.save()
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[block].mixer_output[:, -1] = 0  # in place
+        model.layers[block].mlp.mlp_output = model.layers[block].mlp.mlp_output * 0.5  # assigned
+        edited = model.logits.save()
+
+    def zero_last(t):
+        t = t.clone()
+        t[:, -1] = 0
+        return t
+
+    blocks = hf.base_model_blocks
+    handle = register_edit(hf, blocks[block].get_submodule(mixer), "out", zero_last)
+    try:
+        expected = run_with_hook(hf, blocks[block].get_submodule(at(block)["mlp_output"][0]), "out", lambda t: t * 0.5)
+    finally:
+        handle.remove()
+    assert torch.equal(edited, expected) and not torch.equal(edited, clean)
+    # an assignment of mixer_output on an attention block is the attention's output assigned
+    attention = mixers(hf).index("self_attn")
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[attention].mixer_output = model.layers[attention].mixer_output * 2
+        doubled = model.logits.save()
+    assert torch.equal(doubled, run_with_hook(hf, blocks[attention].self_attn, "out", lambda t: t * 2))
+
+
+def test_tools_on_a_hybrid():
+    from nnterp import add_to, logit_lens, run_with_cache
+
+    model, hf, at, *_ = make("jamba")
+    kinds = mixers(hf)
+    text = repr(model)
+    assert "mixer_output" in text and "blocks 1, in forward order" in text and "unavailable" in text
+    expected, _ = hook_capture(hf, at, IDS)
+    logits, cache = run_with_cache(model, IDS)
+    for i, kind in enumerate(kinds):
+        assert torch.equal(cache["mixer_output", i], expected[(i, "mixer_output")])
+        assert (("attention_output", i) in cache) == (kind == "self_attn")
+    with pytest.raises(ValueUnavailable, match="mixes tokens with a Mamba layer"):
+        run_with_cache(model, IDS, names=["attention_output"])
+    # the lens of a contribution: each block's mixer output through the final norm and head
+    prompt = "the cat sat on the mat"
+    probs = logit_lens(model, prompt, value="mixer_output")
+    ids = model.tokenizer(prompt, return_tensors="pt").input_ids
+    outputs, _ = hook_capture(hf, at, ids)
+    with torch.no_grad():
+        for i in range(model.num_layers):
+            readout = hf.lm_head(hf.model.final_layernorm(outputs[(i, "mixer_output")][:, -1])).softmax(-1)
+            assert torch.allclose(probs[0, i], readout[0], atol=1e-6)
+    vector = torch.randn(model.hidden_size)
+    with torch.no_grad(), model.trace(IDS):
+        add_to(model, [0], vector, value="mixer_output", positions=-1)
+        steered = model.logits.save()
+
+    def add(t):
+        t = t.clone()
+        t[:, -1] += vector
+        return t
+
+    assert torch.equal(steered, run_with_hook(hf, hf.base_model_blocks[0].mamba, "out", add))
+
+
+def test_attention_values_on_a_hybrid_stay_unavailable_on_its_other_blocks():
+    model, hf, *_ = make("jamba")
+    model.enable_attention_values()
+    attention, other = mixers(hf).index("self_attn"), mixers(hf).index("other")
+    assert model.availability(attention)["self_attn.attention_probabilities"].available
+    assert "mixes tokens with a Mamba layer" in model.availability(other)["self_attn.attention_probabilities"].reason
+    with torch.no_grad(), model.trace(IDS):
+        probabilities = model.layers[attention].self_attn.attention_probabilities.save()
+    assert probabilities.shape == (2, model.num_heads, IDS.shape[1], IDS.shape[1])
+    assert torch.allclose(probabilities.sum(-1), torch.ones(()))
+
+
+@pytest.mark.parametrize("model_type", [case[0] for case in CASES.values()])
+def test_the_default_config_miniature_is_proven(model_type):
+    """The type's default config (its miniature: the Mamba-2 and linear-attention heads shrink with the rest)."""
+    # every block type within 8 layers; the default configs of Bamba (all Mamba) and LFM2 (all attention) given both
+    both = {"bamba": dict(attn_layer_indices=[1]), "lfm2": dict(layer_types=["conv", "full_attention"] * 4),
+            "jamba": dict(use_mamba_kernels=False)}
+    config = CONFIG_MAPPING[model_type](num_hidden_layers=8, **both.get(model_type, {}))
+    torch.manual_seed(0)
+    hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))
+    assert len(set(map(repr, (model.order(i) for i in range(model.num_layers))))) > 1  # two block types at least
+    assert all(result.exact for result in check_identity(model, IDS))
