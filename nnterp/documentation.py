@@ -77,7 +77,8 @@ def family_page(family: Family) -> str:
         if block.extra:
             lines += ["Other terms of the identity: " + ", ".join(
                 f"`{name}` = `{location.describe()}`" for name, location in block.extra.items()) + ".", ""]
-        if not isinstance(family.attention_of(config.get_text_config()), Unavailable):
+        if not isinstance(family.attention_of(config.get_text_config()), Unavailable) and isinstance(
+                block.resolve("attention_output"), At):  # (not on a hybrid's blocks without attention)
             lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read inside "
                       "the model's eager attention once they are on: `StandardizedTransformer(..., attention_values=True)`"
                       + (f". `attention_premix` is not `attention_probabilities · values` here: "
@@ -95,7 +96,8 @@ def names_page() -> str:
     lines = [GENERATED, "# Names", "", "The same names on every family. Model-level:", "",
              "| name | what it is |", "|---|---|",
              "| `model.layers` | the blocks, a list |",
-             "| `model.layers[i].self_attn` | block i's attention module |",
+             "| `model.layers[i].self_attn` | block i's attention module (a hybrid's blocks that mix tokens "
+             "otherwise have none: `model.availability(i)` says why) |",
              "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT) |",
              "| `model.embed_tokens` | the token embedding |",
              "| `model.ln_final` | the final norm |",

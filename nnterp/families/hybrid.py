@@ -1,13 +1,22 @@
 """Hybrids: blocks that mix tokens with attention on some layers and with another mixer on the others.
 
-Jamba and Bamba (Mamba, Mamba-2), Qwen3-Next (Gated DeltaNet linear attention), LFM2 (short
-convolution). Every block is a sequential pre-norm block; only its token mixer changes with
-the layer (``config.layer_types``). ``mixer_output`` is what the block's token mixer adds to
-the stream: on an attention block it is ``self_attn.attention_output``, on the others the
-mixer module's output, where the attention's values (and ``layers[i].self_attn`` itself) are
-unavailable with the reason. The identity of those blocks is written with ``mixer_output``.
+Every block is a sequential pre-norm block; only its token mixer changes with the layer
+(``config.layer_types``). ``mixer_output`` is what the block's token mixer adds to the stream:
+on an attention block it is ``self_attn.attention_output``, on the others the mixer module's
+output, where the attention's values (and ``layers[i].self_attn`` itself) are unavailable with
+the reason. The identity of those blocks is written with ``mixer_output``.
 ``attention_norm_output`` and ``layer_mid`` are the normed stream the mixer reads and the
 stream after its add, on every block.
+
+- Jamba: Mamba (``mamba``) or attention; ``feed_forward`` after ``pre_ff_layernorm``, a routed
+  mixture on the layers the config gives experts. Its Mamba runs a pure-PyTorch scan where the
+  ``mamba_ssm`` kernels are not installed (CPU).
+- Bamba: Mamba-2 (``mamba``) or attention, the same block as Jamba's with a dense MLP.
+- Qwen3-Next: Gated DeltaNet linear attention (``linear_attn``) or a gated attention (each head's
+  output is multiplied by a sigmoid gate before ``o_proj``) on the Qwen-MoE block.
+- LFM2: a short convolution (``conv``) or attention after ``operator_norm``, the MLP
+  ``w2(silu(w1(x)) * w3(x))`` after ``ffn_norm``; the mixer's output is added to the stream
+  first, ``(a + x) + m``, and the final norm is ``model.embedding_norm``.
 """
 
 from transformers import BambaConfig, JambaConfig, Lfm2Config, Qwen3NextConfig
@@ -48,8 +57,6 @@ def _hybrid(*, mixer: str, kind: str, is_routed=lambda config, i: False, o_proj=
     return block
 
 
-# Jamba and Bamba: feed_forward after pre_ff_layernorm; Jamba's feed_forward is a mixture on the layers
-# its config gives experts.
 _JAMBA_MODULES = dict(input_norm="input_layernorm", post_norm="pre_ff_layernorm", mlp="feed_forward",
                       act="feed_forward.act_fn", down_proj="feed_forward.down_proj")
 _FEED_FORWARD = dict(layers="model.layers", embed_tokens="model.embed_tokens", ln_final="model.final_layernorm",
@@ -71,8 +78,6 @@ BAMBA = Family(
     tiny_config=lambda: BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
                                     mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
 )
-# Qwen3-Next: the Qwen-MoE block (a gated attention: each head's output is scaled by a sigmoid gate before
-# o_proj, so attention_premix is not probabilities · values), Gated DeltaNet on the other layers.
 QWEN3_NEXT = Family(
     name="Qwen3-Next", model_types=("qwen3_next",), **MODEL_LAYERS,
     block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", is_routed=routed_layer,
@@ -87,8 +92,6 @@ QWEN3_NEXT = Family(
 )
 
 
-# LFM2: operator_norm before the mixer, ffn_norm before feed_forward (w2(silu(w1(x)) * w3(x))), the mixer's
-# output added first: (a + x) + m. The final norm is model.embedding_norm.
 def _lfm2_sum(t, block):
     return (t["attention_output"] + t["layer_input"]) + t["mlp_output"]
 
