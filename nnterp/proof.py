@@ -145,6 +145,9 @@ def build_miniature(config, architecture: type):
     """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
     with quiet_transformers():
         mini_config = miniature_config(config)
+    config_class = getattr(architecture, "config_class", None)
+    if config_class and not isinstance(mini_config, config_class):  # an image-text config's causal LM (Qwen3.5)
+        mini_config = mini_config.get_text_config()
     mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
     generator = torch.Generator().manual_seed(0)
     # the model's own initialization draws from the global generator: leave the user's random state as it was

@@ -24,8 +24,11 @@ from .test_families import IDS, hook_capture, read_all, register_edit, run_with_
 ATTENTION_VALUES = ("attention_premix", "attention_output")
 
 
-def truth(ln1, ln2, mlp, act, down, o_proj="o_proj"):
-    """value -> (module path, side) of block ``i`` of ``blocks``, by the modules the block really has."""
+def truth(ln1, ln2, mlp, act, down, o_proj="o_proj", contribution=None, mlp_output=None, on_attention=None):
+    """value -> (module path, side) of block ``i`` of ``blocks``, by the modules the block really has.
+
+    ``contribution``: where the mixer's contribution is read where it is not the mixer's output (a norm after
+    it); ``on_attention``: what differs on the attention blocks."""
     def of(blocks):
         def at(i):
             block = blocks[i]
@@ -37,10 +40,15 @@ def truth(ln1, ln2, mlp, act, down, o_proj="o_proj"):
                 "layer_input": ("", "in"), "attention_norm_output": (ln1, "out"),
                 "attention_premix": (f"self_attn.{o_proj}", "in") if attention else None,
                 "attention_output": ("self_attn", "out") if attention else None,
-                "mixer_output": (mixer, "out"), "layer_mid": (ln2, "in"), "mlp_norm_output": (ln2, "out"),
+                "mixer_output": (contribution or mixer, "out"), "layer_mid": (ln2, "in"), "mlp_norm_output": (ln2, "out"),
                 "mlp_input": (mlp, "in"), "mlp_activation": None if routed or not act else (act, "out"),
-                "mlp_neurons": None if routed else (down, "in"), "mlp_output": (mlp, "out"), "layer_output": ("", "out"),
+                "mlp_neurons": None if routed else (down, "in"), "mlp_output": (mlp_output or mlp, "out"),
+                "layer_output": ("", "out"),
             }
+            if on_attention and attention:
+                values.update(on_attention)
+            if contribution and mixer == "self_attn":
+                values["attention_output"] = (contribution, "out")
             if not act and not routed:  # an activation applied as a function: by the math (test below)
                 del values["mlp_activation"]
             return values
@@ -50,15 +58,29 @@ def truth(ln1, ln2, mlp, act, down, o_proj="o_proj"):
 
 FEED_FORWARD = truth("input_layernorm", "pre_ff_layernorm", "feed_forward", "feed_forward.act_fn",
                      "feed_forward.down_proj")
+QWEN = truth("input_layernorm", "post_attention_layernorm", "mlp", "mlp.act_fn", "mlp.down_proj")
+DELTANET = "a Gated DeltaNet linear attention"
+# LFM's MLP applies silu as a function: its activation is checked by the math below
+LFM = truth("operator_norm", "ffn_norm", "feed_forward", "", "feed_forward.w2", o_proj="out_proj")
+# OLMo-Hybrid's attention blocks are OLMo-2's: no norm before the sublayers, the norms after them give the contributions
+OLMO2 = {"attention_norm_output": None, "attention_output": ("post_attention_layernorm", "out"),
+         "mixer_output": ("post_attention_layernorm", "out"), "layer_mid": ("mlp", "in"), "mlp_norm_output": None,
+         "mlp_output": ("post_feedforward_layernorm", "out")}
+x_a = lambda x, a: x + a  # noqa: E731
 # case -> (model type, truth, the first add (the stream after the mixer), mixer kind on its other blocks)
 CASES = {
-    "jamba": ("jamba", FEED_FORWARD, lambda x, a: x + a, "a Mamba layer"),
-    "bamba": ("bamba", FEED_FORWARD, lambda x, a: x + a, "a Mamba-2 layer"),
-    "qwen3_next": ("qwen3_next", truth("input_layernorm", "post_attention_layernorm", "mlp", "mlp.act_fn",
-                                       "mlp.down_proj"), lambda x, a: x + a, "a Gated DeltaNet linear attention"),
-    # LFM2's MLP applies silu as a function: its activation is checked by the math below
-    "lfm2": ("lfm2", truth("operator_norm", "ffn_norm", "feed_forward", "", "feed_forward.w2", o_proj="out_proj"),
-             lambda x, a: a + x, "a short convolution"),
+    "jamba": ("jamba", FEED_FORWARD, x_a, "a Mamba layer"),
+    "bamba": ("bamba", FEED_FORWARD, x_a, "a Mamba-2 layer"),
+    "qwen3_next": ("qwen3_next", QWEN, x_a, DELTANET),
+    "qwen3_5": ("qwen3_5_text", QWEN, x_a, DELTANET),
+    "qwen3_5_moe": ("qwen3_5_moe_text", QWEN, x_a, DELTANET),
+    "lara_mini": ("lara_mini", QWEN, x_a, DELTANET),
+    "olmo_hybrid": ("olmo_hybrid", truth("input_layernorm", "post_attention_layernorm", "mlp", "mlp.act_fn",
+                                         "mlp.down_proj", on_attention=OLMO2), x_a, DELTANET),
+    "lfm2": ("lfm2", LFM, lambda x, a: a + x, "a short convolution"),
+    "lfm2_moe": ("lfm2_moe", LFM, lambda x, a: a + x, "a short convolution"),
+    "lfm3": ("lfm3", truth("operator_norm", "ffn_norm", "feed_forward", "", "feed_forward.w2",
+                           contribution="post_operator_norm", mlp_output="post_ffn_norm"), x_a, "a short convolution"),
 }
 
 
@@ -100,8 +122,9 @@ def test_values_equal_hooks_and_identity_holds_on_every_block(case, dtype):
     assert all(result.exact for result in check_identity(model, IDS)), [str(r) for r in check_identity(model, IDS)]
 
 
-def test_lfm2_mlp_activation_is_silu_of_w1():
-    model, hf, *_ = make("lfm2")
+@pytest.mark.parametrize("case", ["lfm2", "lfm2_moe", "lfm3"])
+def test_lfm_mlp_activation_is_silu_of_w1(case):
+    model, hf, *_ = make(case)  # block 0 has a dense MLP
     captured = {}
     handle = hf.base_model_blocks[0].feed_forward.w1.register_forward_hook(
         lambda m, a, o: captured.setdefault("w1", o.clone()))
@@ -172,12 +195,13 @@ def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
     finally:
         handle.remove()
     assert torch.equal(edited, expected) and not torch.equal(edited, clean)
-    # an assignment of mixer_output on an attention block is the attention's output assigned
+    # an assignment of mixer_output on an attention block is the attention's contribution assigned
     attention = mixers(hf).index("self_attn")
     with torch.no_grad(), model.trace(IDS):
         model.layers[attention].mixer_output = model.layers[attention].mixer_output * 2
         doubled = model.logits.save()
-    assert torch.equal(doubled, run_with_hook(hf, blocks[attention].self_attn, "out", lambda t: t * 2))
+    contribution = blocks[attention].get_submodule(at(attention)["attention_output"][0])
+    assert torch.equal(doubled, run_with_hook(hf, contribution, "out", lambda t: t * 2))
 
 
 def test_tools_on_a_hybrid():
@@ -233,10 +257,36 @@ def test_the_default_config_miniature_is_proven(model_type):
     """The type's default config (its miniature: the Mamba-2 and linear-attention heads shrink with the rest)."""
     # every block type within 8 layers; the default configs of Bamba (all Mamba) and LFM2 (all attention) given both
     both = {"bamba": dict(attn_layer_indices=[1]), "lfm2": dict(layer_types=["conv", "full_attention"] * 4),
-            "jamba": dict(use_mamba_kernels=False)}
+            "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 4), "jamba": dict(use_mamba_kernels=False),
+            "lfm3": dict(layer_types=["conv", "full_attention"] * 4)}
     config = CONFIG_MAPPING[model_type](num_hidden_layers=8, **both.get(model_type, {}))
     torch.manual_seed(0)
     hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))
     assert len(set(map(repr, (model.order(i) for i in range(model.num_layers))))) > 1  # two block types at least
     assert all(result.exact for result in check_identity(model, IDS))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_values_are_proven_on_the_attention_blocks(case):
+    """The eager attention's internals compose to attention_premix (or the family says why not: a gate)."""
+    model, hf, *_ = make(case)
+    model.enable_attention_values()  # proven on the miniature, the premix check included
+    block = mixers(hf).index("self_attn")
+    with torch.no_grad(), model.trace(IDS):
+        queries = model.layers[block].self_attn.queries.save()
+    assert queries.shape[:3] == (*IDS.shape, model.num_heads)
+
+
+@pytest.mark.parametrize("model_type, text_type", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")])
+def test_the_image_text_config_loads_the_text_family(model_type, text_type):
+    """A Qwen3.5 checkpoint's config is the image-text one; the causal LM it builds is the text model."""
+    from nnterp.families import family_of
+    from nnterp.validation import validate
+
+    text = BY_MODEL_TYPE[text_type].tiny_config().to_dict()
+    config = CONFIG_MAPPING[model_type](text_config=text)
+    assert family_of(config) is BY_MODEL_TYPE[text_type]
+    architecture = AutoModelForCausalLM._model_mapping[type(config)]
+    events = validate(config, architecture, tiny_tokenizer(), use_cache=False)  # proven on its miniature
+    assert ("model.layers.0.linear_attn", "output") in events and ("model.layers.1.self_attn", "output") in events

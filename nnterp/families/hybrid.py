@@ -19,7 +19,18 @@ stream after its add, on every block.
   first, ``(a + x) + m``, and the final norm is ``model.embedding_norm``.
 """
 
-from transformers import BambaConfig, JambaConfig, Lfm2Config, Qwen3NextConfig
+from transformers import (
+    BambaConfig,
+    JambaConfig,
+    LaraMiniConfig,
+    Lfm2Config,
+    Lfm2MoeConfig,
+    Lfm3Config,
+    OlmoHybridConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
 
 from ..catalog import ATTENTION_VALUES
 from .base import MODEL_LAYERS, ROUTED, Block, Family, Unavailable, output, pre_norm_block
@@ -47,14 +58,26 @@ def mixer_block(base: Block, layer: int, mixer: str, kind: str) -> Block:
     )
 
 
-def _hybrid(*, mixer: str, kind: str, is_routed=lambda config, i: False, o_proj="self_attn.o_proj", **modules):
-    """A block function: ``pre_norm_block(**modules)`` around attention or around ``mixer``, layer by layer."""
+def _hybrid(*, mixer: str, kind: str, is_routed=lambda config, i: False, o_proj="self_attn.o_proj",
+            attention_block=None, **modules):
+    """A block function: ``pre_norm_block(**modules)`` around attention (or ``attention_block``) or around
+    ``mixer``, layer by layer."""
     def block(config, i):
-        routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {}
+        values = {**modules, **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {})}
         if is_attention(config, i):
-            return pre_norm_block(attention="self_attn", o_proj=o_proj, **modules, **routed)
-        return mixer_block(pre_norm_block(attention=mixer, o_proj="", **modules, **routed), i, mixer, kind)
+            if attention_block:
+                return attention_block(config, i)
+            return pre_norm_block(attention="self_attn", o_proj=o_proj, **values)
+        return mixer_block(pre_norm_block(attention=mixer, o_proj="", **values), i, mixer, kind)
     return block
+
+
+def _never(config, i):
+    return False
+
+
+def _always(config, i):
+    return True
 
 
 _JAMBA_MODULES = dict(input_norm="input_layernorm", post_norm="pre_ff_layernorm", mlp="feed_forward",
@@ -78,17 +101,46 @@ BAMBA = Family(
     tiny_config=lambda: BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
                                     mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
 )
-QWEN3_NEXT = Family(
-    name="Qwen3-Next", model_types=("qwen3_next",), **MODEL_LAYERS,
-    block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", is_routed=routed_layer,
-                  input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp",
-                  act="mlp.act_fn", down_proj="mlp.down_proj"),
-    premix_is_not_mixed_values="each head's output is multiplied by a sigmoid gate (from q_proj) before o_proj",
-    tiny_config=lambda: Qwen3NextConfig(
-        **_SMALL, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[2], linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8),
+_GATED = "each head's output is multiplied by a sigmoid gate (from q_proj) before o_proj"
+_DELTANET = dict(
+    **_SMALL, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+_EXPERTS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+
+def _deltanet(name, model_types, is_routed, tiny_config, gated=_GATED):
+    """Gated DeltaNet linear attention or attention on the Llama / Qwen-MoE block."""
+    return Family(
+        name=name, model_types=model_types, **MODEL_LAYERS,
+        block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", is_routed=is_routed,
+                      input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp",
+                      act="mlp.act_fn", down_proj="mlp.down_proj"),
+        premix_is_not_mixed_values=gated, tiny_config=tiny_config,
+    )
+
+
+QWEN3_NEXT = _deltanet("Qwen3-Next", ("qwen3_next",), routed_layer, lambda: Qwen3NextConfig(
+    **_DELTANET, **_EXPERTS, decoder_sparse_step=1, mlp_only_layers=[2]))
+QWEN3_5 = _deltanet("Qwen3.5", ("qwen3_5_text", "qwen3_5"), _never, lambda: Qwen3_5TextConfig(**_DELTANET))
+QWEN3_5_MOE = _deltanet("Qwen3.5-MoE", ("qwen3_5_moe_text", "qwen3_5_moe"), _always,
+                        lambda: Qwen3_5MoeTextConfig(**_DELTANET, **_EXPERTS))
+LARA_MINI = _deltanet("Lara-Mini", ("lara_mini",), _always, lambda: LaraMiniConfig(
+    **{**_DELTANET, "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
+    **_EXPERTS, sliding_window=2), gated=None)
+
+
+def _olmo_hybrid_attention(config, i):
+    from .sandwich import _olmo2_block
+
+    return _olmo2_block(config, i)
+
+
+OLMO_HYBRID = Family(
+    name="OLMo-Hybrid", model_types=("olmo_hybrid",), **MODEL_LAYERS,
+    block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", attention_block=_olmo_hybrid_attention,
+                  input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn",
+                  down_proj="mlp.down_proj"),
+    tiny_config=lambda: OlmoHybridConfig(**_DELTANET, pad_token_id=0),
 )
 
 
@@ -96,12 +148,27 @@ def _lfm2_sum(t, block):
     return (t["attention_output"] + t["layer_input"]) + t["mlp_output"]
 
 
-LFM2 = Family(
-    name="LFM2", model_types=("lfm2",), layers="model.layers", embed_tokens="model.embed_tokens",
-    ln_final="model.embedding_norm", attention="self_attn", mlp="feed_forward",
-    block=_hybrid(mixer="conv", kind="a short convolution", o_proj="self_attn.out_proj", input_norm="operator_norm", post_norm="ffn_norm",
-                  mlp="feed_forward", act="", down_proj="feed_forward.w2",
-                  formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum,
-                  mlp_activation=output("feed_forward", op="F_silu_0")),
-    tiny_config=lambda: Lfm2Config(**_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
-)
+def _lfm(name, model_type, tiny_config, is_routed=_never, o_proj="self_attn.out_proj", gated=None, **overrides):
+    """LFM2 and its kin: a short convolution or attention after operator_norm, feed_forward after ffn_norm."""
+    return Family(
+        name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
+        ln_final="model.embedding_norm", attention="self_attn", mlp="feed_forward",
+        block=_hybrid(mixer="conv", kind="a short convolution", is_routed=is_routed, o_proj=o_proj,
+                      input_norm="operator_norm", post_norm="ffn_norm", mlp="feed_forward", act="",
+                      down_proj="feed_forward.w2", mlp_activation=output("feed_forward", op="F_silu_0"), **overrides),
+        tiny_config=tiny_config, premix_is_not_mixed_values=gated,
+    )
+
+
+_CONV = dict(**_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
+LFM2 = _lfm("LFM2", "lfm2", lambda: Lfm2Config(**_CONV), formula="layer_output = (attention_output + layer_input) + mlp_output",
+            combine=_lfm2_sum)
+LFM2_MOE = _lfm("LFM2-MoE", "lfm2_moe", lambda: Lfm2MoeConfig(
+    **_CONV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1),
+    is_routed=lambda config, i: i >= config.num_dense_layers,
+    formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum)
+LFM3 = _lfm("LFM3", "lfm3", lambda: Lfm3Config(
+    **{**_CONV, "layer_types": ["conv", "sliding_attention", "full_attention"]}, sliding_window=2, use_sandwich_norm=True,
+    pad_token_id=0),
+    o_proj="self_attn.o_proj", gated="with use_attention_gate (the default) each head's output is multiplied by a sigmoid gate (g_proj) "
+    "before o_proj", attention_output=output("post_operator_norm"), mlp_output=output("post_ffn_norm"))
