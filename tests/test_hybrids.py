@@ -35,7 +35,7 @@ def truth(ln1, ln2, mlp, act, down, o_proj="o_proj", contribution=None, mlp_outp
             mixer = next(name for name in ("self_attn", "mamba", "linear_attn", "conv")
                          if getattr(block, name, None) is not None)
             attention = mixer == "self_attn"
-            routed = any("expert" in name for name, _ in block.get_submodule(mlp).named_modules())
+            routed = any("expert" in name for name, _ in block.named_modules())
             values = {
                 "layer_input": ("", "in"), "attention_norm_output": (ln1, "out"),
                 "attention_premix": (f"self_attn.{o_proj}", "in") if attention else None,
@@ -66,30 +66,51 @@ LFM = truth("operator_norm", "ffn_norm", "feed_forward", "", "feed_forward.w2", 
 OLMO2 = {"attention_norm_output": None, "attention_output": ("post_attention_layernorm", "out"),
          "mixer_output": ("post_attention_layernorm", "out"), "layer_mid": ("mlp", "in"), "mlp_norm_output": None,
          "mlp_output": ("post_feedforward_layernorm", "out")}
-x_a = lambda x, a: x + a  # noqa: E731
-# case -> (model type, truth, the first add (the stream after the mixer), mixer kind on its other blocks)
+
+
+def granite_truth(blocks):
+    """Granite-4.0-H: the MLP contribution is the experts' and the shared MLP's outputs summed in the block's code
+    (no module returns it: checked by the math below); both are called with the norm's output."""
+    at = truth("input_layernorm", "post_attention_layernorm", "shared_mlp", "shared_mlp.activation",
+               "shared_mlp.output_linear")(blocks)
+
+    def values(i):
+        found = {**at(i), "mlp_input": ("post_attention_layernorm", "out")}
+        del found["mlp_output"]
+        return found
+    return values
+
+
+x_a = lambda x, a, block: x + a  # noqa: E731
+a_x = lambda x, a, block: a + x  # noqa: E731
+mid_m = lambda mid, m, block: mid + m  # noqa: E731
+SCALED = (lambda x, a, block: x + a * block.residual_multiplier,
+          lambda mid, m, block: mid + m * block.residual_multiplier)
+SHORT_CONV = "a short convolution"
+# case -> (model type, truth, the stream after the mixer's add, the block's output, mixer kind on its other blocks)
 CASES = {
-    "jamba": ("jamba", FEED_FORWARD, x_a, "a Mamba layer"),
-    "bamba": ("bamba", FEED_FORWARD, x_a, "a Mamba-2 layer"),
-    "qwen3_next": ("qwen3_next", QWEN, x_a, DELTANET),
-    "qwen3_5": ("qwen3_5_text", QWEN, x_a, DELTANET),
-    "qwen3_5_moe": ("qwen3_5_moe_text", QWEN, x_a, DELTANET),
-    "lara_mini": ("lara_mini", QWEN, x_a, DELTANET),
+    "jamba": ("jamba", FEED_FORWARD, x_a, mid_m, "a Mamba layer"),
+    "bamba": ("bamba", FEED_FORWARD, x_a, mid_m, "a Mamba-2 layer"),
+    "granitemoehybrid": ("granitemoehybrid", granite_truth, *SCALED, "a Mamba-2 layer"),
+    "qwen3_next": ("qwen3_next", QWEN, x_a, mid_m, DELTANET),
+    "qwen3_5": ("qwen3_5_text", QWEN, x_a, mid_m, DELTANET),
+    "qwen3_5_moe": ("qwen3_5_moe_text", QWEN, x_a, mid_m, DELTANET),
+    "lara_mini": ("lara_mini", QWEN, x_a, mid_m, DELTANET),
     "olmo_hybrid": ("olmo_hybrid", truth("input_layernorm", "post_attention_layernorm", "mlp", "mlp.act_fn",
-                                         "mlp.down_proj", on_attention=OLMO2), x_a, DELTANET),
-    "lfm2": ("lfm2", LFM, lambda x, a: a + x, "a short convolution"),
-    "lfm2_moe": ("lfm2_moe", LFM, lambda x, a: a + x, "a short convolution"),
+                                         "mlp.down_proj", on_attention=OLMO2), x_a, mid_m, DELTANET),
+    "lfm2": ("lfm2", LFM, a_x, mid_m, SHORT_CONV),
+    "lfm2_moe": ("lfm2_moe", LFM, a_x, mid_m, SHORT_CONV),
     "lfm3": ("lfm3", truth("operator_norm", "ffn_norm", "feed_forward", "", "feed_forward.w2",
-                           contribution="post_operator_norm", mlp_output="post_ffn_norm"), x_a, "a short convolution"),
+                           contribution="post_operator_norm", mlp_output="post_ffn_norm"), x_a, mid_m, SHORT_CONV),
 }
 
 
 def make(case, dtype=torch.float32):
-    model_type, of, first_add, kind = CASES[case]
+    model_type, of, first_add, second_add, kind = CASES[case]
     hf = build_tiny(BY_MODEL_TYPE[model_type].tiny_config(), dtype)
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())  # proven on a miniature at load
     hf.base_model_blocks = model.layers._module
-    return model, hf, of(hf.base_model_blocks), first_add, kind
+    return model, hf, of(hf.base_model_blocks), (first_add, second_add), kind
 
 
 def mixers(hf):
@@ -99,7 +120,7 @@ def mixers(hf):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES)
 def test_values_equal_hooks_and_identity_holds_on_every_block(case, dtype):
-    model, hf, at, first_add, _ = make(case, dtype)
+    model, hf, at, (first_add, second_add), _ = make(case, dtype)
     kinds = mixers(hf)
     assert "self_attn" in kinds and "other" in kinds  # the test config has both block types
     expected, expected_logits = hook_capture(hf, at, IDS)
@@ -114,7 +135,8 @@ def test_values_equal_hooks_and_identity_holds_on_every_block(case, dtype):
             assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
         x, a, mid, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "layer_mid", "mlp_output",
                                                     "layer_output"))
-        assert torch.equal(mid, first_add(x, a)) and torch.equal(mid + m, y), f"layer {i}: identity"
+        block = hf.base_model_blocks[i]
+        assert torch.equal(mid, first_add(x, a, block)) and torch.equal(second_add(mid, m, block), y), f"layer {i}"
         if kinds[i] == "self_attn":
             assert torch.equal(saved[(i, "attention_output")], a)
         if i + 1 < model.num_layers:
@@ -135,13 +157,30 @@ def test_lfm_mlp_activation_is_silu_of_w1(case):
     assert torch.equal(saved[(0, "mlp_activation")], torch.nn.functional.silu(captured["w1"]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_granite_hybrid_mlp_output_is_the_experts_plus_the_shared_mlp(dtype):
+    model, hf, *_ = make("granitemoehybrid", dtype)
+    captured, handles = {}, []
+    for i, block in enumerate(hf.base_model_blocks):
+        for name in ("block_sparse_moe", "shared_mlp"):
+            handles.append(block.get_submodule(name).register_forward_hook(
+                lambda m, a, o, key=(i, name): captured.setdefault(key, o.clone())))
+    try:
+        saved, _ = read_all(model, IDS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i in range(model.num_layers):
+        assert torch.equal(saved[(i, "mlp_output")], captured[(i, "block_sparse_moe")] + captured[(i, "shared_mlp")])
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_order_and_availability_per_block_type(case):
     model, hf, at, _, kind = make(case)
     for i, mixer in enumerate(mixers(hf)):
         order, table = model.order(i), model.availability(i)
         names = {key.rpartition(".")[2] for key in order}
-        by_math = {"mlp_activation"} if "mlp_activation" not in at(i) else set()
+        by_math = {name for name in ("mlp_activation", "mlp_output") if name not in at(i)}
         assert names == {name for name, where in at(i).items() if where is not None} | by_math
         assert list(order.values()) == sorted(order.values())
         if mixer == "self_attn":
@@ -189,11 +228,15 @@ def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
         return t
 
     blocks = hf.base_model_blocks
-    handle = register_edit(hf, blocks[block].get_submodule(mixer), "out", zero_last)
+    # Granite-4.0-H sums two modules' outputs: halving each is halving the sum, bit for bit (a power of two)
+    halved = [at(block)["mlp_output"][0]] if "mlp_output" in at(block) else ["block_sparse_moe", "shared_mlp"]
+    handles = [register_edit(hf, blocks[block].get_submodule(mixer), "out", zero_last)]
+    handles += [register_edit(hf, blocks[block].get_submodule(path), "out", lambda t: t * 0.5) for path in halved[1:]]
     try:
-        expected = run_with_hook(hf, blocks[block].get_submodule(at(block)["mlp_output"][0]), "out", lambda t: t * 0.5)
+        expected = run_with_hook(hf, blocks[block].get_submodule(halved[0]), "out", lambda t: t * 0.5)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     assert torch.equal(edited, expected) and not torch.equal(edited, clean)
     # an assignment of mixer_output on an attention block is the attention's contribution assigned
     attention = mixers(hf).index("self_attn")
@@ -255,10 +298,12 @@ def test_attention_values_on_a_hybrid_stay_unavailable_on_its_other_blocks():
 @pytest.mark.parametrize("model_type", [case[0] for case in CASES.values()])
 def test_the_default_config_miniature_is_proven(model_type):
     """The type's default config (its miniature: the Mamba-2 and linear-attention heads shrink with the rest)."""
-    # every block type within 8 layers; the default configs of Bamba (all Mamba) and LFM2 (all attention) given both
+    # every block type within 8 layers; the default configs of Bamba, Granite-4.0-H (all Mamba) and LFM2 (all
+    # attention) given both
     both = {"bamba": dict(attn_layer_indices=[1]), "lfm2": dict(layer_types=["conv", "full_attention"] * 4),
             "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 4), "jamba": dict(use_mamba_kernels=False),
-            "lfm3": dict(layer_types=["conv", "full_attention"] * 4)}
+            "lfm3": dict(layer_types=["conv", "full_attention"] * 4),
+            "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 4)}  # all Mamba: transformers fails
     config = CONFIG_MAPPING[model_type](num_hidden_layers=8, **both.get(model_type, {}))
     torch.manual_seed(0)
     hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
@@ -278,7 +323,10 @@ def test_attention_values_are_proven_on_the_attention_blocks(case):
     assert queries.shape[:3] == (*IDS.shape, model.num_heads)
 
 
-@pytest.mark.parametrize("model_type, text_type", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")])
+IMAGE_TEXT = [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")]
+
+
+@pytest.mark.parametrize("model_type, text_type", IMAGE_TEXT)
 def test_the_image_text_config_loads_the_text_family(model_type, text_type):
     """A Qwen3.5 checkpoint's config is the image-text one; the causal LM it builds is the text model."""
     from nnterp.families import family_of

@@ -21,6 +21,7 @@ stream after its add, on every block.
 
 from transformers import (
     BambaConfig,
+    GraniteMoeHybridConfig,
     JambaConfig,
     LaraMiniConfig,
     Lfm2Config,
@@ -33,7 +34,7 @@ from transformers import (
 )
 
 from ..catalog import ATTENTION_VALUES
-from .base import MODEL_LAYERS, ROUTED, Block, Family, Unavailable, output, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block
 from .moe import routed_layer
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -101,6 +102,39 @@ BAMBA = Family(
     tiny_config=lambda: BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
                                     mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
 )
+
+
+# Granite-4.0-H: Granite's residual multiplier r on both contributions; the MLP contribution is the mixture of
+# experts and the shared MLP summed in the block's code (read there, at the name nnsight's .source gives the sum).
+_GRANITE = "layer_output = (layer_input + attention_output * r) + mlp_output * r, r = residual_multiplier"
+
+
+def _granite_sum(t, block):
+    return (t["layer_input"] + t["attention_output"] * block.residual_multiplier) + t["mlp_output"] * block.residual_multiplier
+
+
+def _granite_block(config, i):
+    experts = config.num_local_experts > 0
+    return _hybrid(
+        mixer="mamba", kind="a Mamba-2 layer", is_routed=lambda config, i: experts, input_norm="input_layernorm",
+        post_norm="post_attention_layernorm", mlp="shared_mlp", act="shared_mlp.activation",
+        down_proj="shared_mlp.output_linear", formula=_GRANITE, combine=_granite_sum,
+        mlp_input=SameAs("mlp_norm_output"),  # both the experts and the shared MLP are called with it
+        **({"mlp_output": output("", op="hidden_states_4")} if experts else {}),
+    )(config, i)
+
+
+GRANITE_MOE_HYBRID = Family(
+    name="Granite-MoE-Hybrid", model_types=("granitemoehybrid",), **{**MODEL_LAYERS, "mlp": "shared_mlp"},
+    block=_granite_block, logits_transform=lambda logits, config: logits / config.logits_scaling,
+    tiny_config=lambda: GraniteMoeHybridConfig(
+        **_SMALL, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16, num_local_experts=4,
+        num_experts_per_tok=2, residual_multiplier=0.22, embedding_multiplier=12.0, logits_scaling=8.0,
+        attention_multiplier=0.0625),
+)
+
+
 _GATED = "each head's output is multiplied by a sigmoid gate (from q_proj) before o_proj"
 _DELTANET = dict(
     **_SMALL, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
