@@ -338,3 +338,26 @@ def test_the_image_text_config_loads_the_text_family(model_type, text_type):
     architecture = AutoModelForCausalLM._model_mapping[type(config)]
     events = validate(config, architecture, tiny_tokenizer(), use_cache=False)  # proven on its miniature
     assert ("model.layers.0.linear_attn", "output") in events and ("model.layers.1.self_attn", "output") in events
+
+
+@pytest.mark.parametrize("case", ["jamba", "bamba", "lfm2"])
+def test_skipping_a_mixer_block_against_hooks(case):
+    from nnterp import skip_layers
+
+    model, hf, *_ = make(case)
+    block = mixers(hf).index("other")
+    with torch.no_grad(), model.trace(IDS):
+        skip_layers(model, block)
+        logits = model.logits.save()
+
+    def identity(m, args, kwargs, out):
+        stream = args[0] if args else kwargs["hidden_states"]
+        return (stream, None) if isinstance(out, tuple) else stream
+
+    handle = hf.base_model_blocks[block].register_forward_hook(identity, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            expected = hf(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits
+    finally:
+        handle.remove()
+    assert torch.equal(logits, expected)

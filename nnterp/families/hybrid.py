@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from ..catalog import ATTENTION_VALUES
-from .base import MODEL_LAYERS, ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block, stream_and_none
 from .moe import routed_layer
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -99,6 +99,7 @@ JAMBA = Family(
 BAMBA = Family(
     name="Bamba", model_types=("bamba",), **_FEED_FORWARD,
     block=_hybrid(mixer="mamba", kind="a Mamba-2 layer", **_JAMBA_MODULES),
+    skip_output=stream_and_none,  # its blocks return (hidden, attention weights)
     tiny_config=lambda: BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
                                     mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
 )
