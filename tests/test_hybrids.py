@@ -196,6 +196,9 @@ def test_order_and_availability_per_block_type(case):
         with pytest.raises(ValueUnavailable, match=f"block {i} mixes tokens with"):
             with model.trace(IDS):
                 model.layers[i].self_attn.attention_output.save()
+        with pytest.raises(ValueUnavailable, match=f"'self_attn.head_outputs' is unavailable .*block {i} mixes tokens"):
+            with model.trace(IDS):
+                model.head_outputs(i).save()
 
 
 def test_a_mixer_block_reads_in_forward_order_only():
