@@ -104,7 +104,7 @@ def test_order(model, capsys):
     print(model.order(5))
     assert capsys.readouterr().out == (
         "{'layer_input': 0, 'attention_norm_output': 1, 'self_attn.attention_premix': 2, "
-        "'self_attn.attention_output': 3, 'layer_mid': 4, 'mlp_norm_output': 5, 'mlp_input': 6, "
+        "'self_attn.attention_output': 3, 'mixer_output': 3, 'layer_mid': 4, 'mlp_norm_output': 5, 'mlp_input': 6, "
         "'mlp.mlp_activation': 7, 'mlp.mlp_neurons': 8, 'mlp.mlp_output': 9, 'layer_output': 10}\n"
     )
     with pytest.raises(OutOfOrderError):
