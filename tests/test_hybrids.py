@@ -364,3 +364,22 @@ def test_skipping_a_mixer_block_against_hooks(case):
     finally:
         handle.remove()
     assert torch.equal(logits, expected)
+
+
+def test_the_proof_catches_a_misplaced_mixer_output():
+    """Validation covers the mixer: mixer_output read at the mixer's input instead of its output fails the proof."""
+    import dataclasses
+
+    from nnterp.locations import input as input_of
+    from nnterp.validation import problems_of
+
+    model, hf, *_ = make("jamba")
+    block = mixers(hf).index("other")
+    assert problems_of(model) == []
+    right = model._nnterp_blocks[block]
+    wrong = dataclasses.replace(right, values={**right.values, "mixer_output": input_of("mamba", kwarg="hidden_states")})
+    model._nnterp_blocks = tuple(wrong if i == block else b for i, b in enumerate(model._nnterp_blocks))
+    model._nnterp_resolved.clear()
+    problems = problems_of(model)
+    assert problems and all(p.startswith(f"layer {block}:") for p in problems)
+    assert any("the identity fails" in p for p in problems)

@@ -12,11 +12,23 @@ stream after its add, on every block.
   mixture on the layers the config gives experts. Its Mamba runs a pure-PyTorch scan where the
   ``mamba_ssm`` kernels are not installed (CPU).
 - Bamba: Mamba-2 (``mamba``) or attention, the same block as Jamba's with a dense MLP.
-- Qwen3-Next: Gated DeltaNet linear attention (``linear_attn``) or a gated attention (each head's
-  output is multiplied by a sigmoid gate before ``o_proj``) on the Qwen-MoE block.
-- LFM2: a short convolution (``conv``) or attention after ``operator_norm``, the MLP
-  ``w2(silu(w1(x)) * w3(x))`` after ``ffn_norm``; the mixer's output is added to the stream
-  first, ``(a + x) + m``, and the final norm is ``model.embedding_norm``.
+- Granite-4.0-H (``granitemoehybrid``): Mamba-2 or attention on Granite's block, both contributions
+  times ``residual_multiplier``. The MLP contribution is the experts' output plus the shared MLP's,
+  summed in the block's own code: ``mlp_output`` is read there, at the operation nnsight's
+  ``.source`` names; ``mlp_input`` is the norm's output, which both are called with, and
+  ``layers[i].mlp`` is the shared MLP. The logits are the head's divided by ``logits_scaling``.
+- Qwen3-Next, Qwen3.5 (dense), Qwen3.5-MoE, Lara-Mini: Gated DeltaNet linear attention
+  (``linear_attn``) or attention on the Llama / Qwen-MoE block. Qwen's attention is gated (each
+  head's output is multiplied by a sigmoid gate before ``o_proj``). Qwen3.5 checkpoints carry an
+  image-text config; the causal LM built from it is the text model.
+- OLMo-Hybrid: Gated DeltaNet blocks are pre-norm; its attention blocks are OLMo-2's (no norm before
+  the sublayers; the contributions are the outputs of the norms after them).
+- LFM2, LFM2-MoE: a short convolution (``conv``) or attention after ``operator_norm``, the MLP
+  ``w2(silu(w1(x)) * w3(x))`` (or a mixture, after ``num_dense_layers``) after ``ffn_norm``; the
+  mixer's output is added to the stream first, ``(a + x) + m``. The final norm is
+  ``model.embedding_norm``.
+- LFM3: LFM2's block with norms after the sublayers (``post_operator_norm``, ``post_ffn_norm``,
+  whose outputs are the contributions) and a gated attention.
 """
 
 from transformers import (
