@@ -383,3 +383,24 @@ def test_the_proof_catches_a_misplaced_mixer_output():
     problems = problems_of(model)
     assert problems and all(p.startswith(f"layer {block}:") for p in problems)
     assert any("the identity fails" in p for p in problems)
+
+
+def test_granite_hybrid_without_experts_reads_the_shared_mlp():
+    """num_local_experts=0: the MLP is the shared MLP alone, its activation and neurons available."""
+    config = BY_MODEL_TYPE["granitemoehybrid"].tiny_config()
+    config.num_local_experts = 0
+    hf = build_tiny(config)
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())
+    hf.base_model_blocks = model.layers._module
+    at = truth("input_layernorm", "post_attention_layernorm", "shared_mlp", "shared_mlp.activation",
+               "shared_mlp.output_linear")(hf.base_model_blocks)
+    expected, expected_logits = hook_capture(hf, at, IDS)
+    saved, logits = read_all(model, IDS)
+    assert torch.equal(logits, expected_logits)
+    for i in range(model.num_layers):
+        assert {key.rpartition(".")[2] for key in model.order(i)} == {n for n, w in at(i).items() if w is not None}
+        for name, where in at(i).items():
+            if where is not None:
+                got = saved[(i, name)]
+                assert torch.equal(got, expected[(i, name)].reshape(got.shape)), f"layer {i} {name}"
+    assert all(result.exact for result in check_identity(model, IDS))
