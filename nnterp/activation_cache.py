@@ -114,7 +114,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     inputs = _inputs(model, prompts)
     plan, unavailable = {}, {}
     for layer in forward_order(layers):
-        order = model.order(layer)
+        order = model.order(layer, aliases=True)
         here = []
         for name in names:
             try:

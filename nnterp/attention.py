@@ -122,6 +122,8 @@ def scale_heads(model, layer: int, heads, factor: float = 0.0) -> None:
 
 def _output_projection(model, layer: int) -> At:
     location = model.block_spec(layer).resolve("attention_premix")
+    if isinstance(location, Unavailable):  # (a hybrid's block that mixes tokens otherwise)
+        raise ValueUnavailable("self_attn.head_outputs", model.family.name, location.reason)
     projection = None
     if isinstance(location, At) and not location.op:
         projection = model._module.get_submodule(model.block_path(layer, location.path))

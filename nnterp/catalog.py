@@ -27,7 +27,8 @@ class Value:
 
 CATALOG: tuple[Value, ...] = (
     Value("layer_input", "block", "[batch, seq, hidden_size]", 0, "the residual stream entering the block"),
-    Value("attention_norm_output", "block", "[batch, seq, hidden_size]", 1, "the normed stream the attention reads"),
+    Value("attention_norm_output", "block", "[batch, seq, hidden_size]", 1,
+          "the normed stream the attention reads (the token mixer, on a hybrid's other blocks)"),
     Value("queries", "self_attn", "[batch, seq, num_heads, head_dim]", 2,
           "the queries as the attention uses them (after q norms and rotary embeddings)"),
     Value("keys", "self_attn", "[batch, seq, num_key_value_heads, head_dim]", 2,
@@ -40,7 +41,9 @@ CATALOG: tuple[Value, ...] = (
     Value("attention_premix", "self_attn", "[batch, seq, num_heads, head_dim]", 5,
           "every head's output before the output projection"),
     Value("attention_output", "self_attn", "[batch, seq, hidden_size]", 6, "what the attention adds to the stream"),
-    Value("layer_mid", "block", "[batch, seq, hidden_size]", 7, "the stream after the attention add"),
+    Value("mixer_output", "block", "[batch, seq, hidden_size]", 6,
+          "what the block's token mixer (attention, Mamba, linear attention or convolution) adds to the stream"),
+    Value("layer_mid", "block", "[batch, seq, hidden_size]", 7, "the stream after the token mixer's add"),
     Value("mlp_norm_output", "block", "[batch, seq, hidden_size]", 8, "the output of the norm before the MLP"),
     Value("mlp_input", "block", "[batch, seq, hidden_size]", 9, "what the MLP is called with"),
     Value("mlp_activation", "mlp", "[batch, seq, intermediate_size]", 10, "the output of the MLP's activation function"),
@@ -50,6 +53,8 @@ CATALOG: tuple[Value, ...] = (
 )
 # Values inside the attention computation: read inside the model's eager attention when they are on.
 ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
+# The values of a block's attention: unavailable together on a hybrid's blocks that mix tokens otherwise.
+ATTENTION_VALUES = (*ATTENTION_INTERNALS, "attention_premix", "attention_output")
 
 BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}
 OWNERS = ("block", "self_attn", "mlp")

@@ -121,7 +121,7 @@ def _collect_batch(model, batch, names, layers, positions, dtype, remote=False) 
     inputs = model.tokenizer(batch, return_tensors="pt", padding=True)  # tokenized once: the trace runs on it
     select = _selection(inputs, positions)
     read_layers = forward_order(layers)
-    order = {layer: model.order(layer) for layer in read_layers}
+    order = {layer: model.order(layer, aliases=True) for layer in read_layers}
     with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         read = {}
         for layer in read_layers:

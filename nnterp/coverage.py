@@ -54,16 +54,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                                       "blocks, at temporal_block"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    **{t: ("new shape: per-layer mixer", "linear_attn on some layers, self_attn on others")
-       for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "lara_mini")},
-    "olmo_hybrid": ("new shape: per-layer mixer", "pre-norm linear_attn layers among OLMo-2 post-norm attention layers"),
-    "jamba": ("new shape: per-layer mixer", "mamba or self_attn per layer, MLP at feed_forward"),
-    "bamba": ("new shape: per-layer mixer", "mamba or self_attn per layer, MLP at feed_forward"),
-    "granitemoehybrid": ("new shape: per-layer mixer", "mamba or self_attn per layer, Granite multipliers, routed "
-                                                       "and shared MLPs summed"),
-    "lfm2": ("new shape: per-layer mixer", "conv or self_attn per layer, operator_norm / ffn_norm / feed_forward"),
-    "lfm2_moe": ("new shape: per-layer mixer", "conv or self_attn per layer, a routed feed_forward"),
-    "lfm3": ("new shape: per-layer mixer", "conv or self_attn per layer, with norms after each sublayer"),
     "nemotron_h": ("new shape: topology", "one sublayer per block: a Mamba, attention, MLP or MoE mixer"),
     "falcon_h1": ("new shape: topology", "Mamba and attention side by side, scaled and summed, then an MLP"),
     "zamba": ("new shape: topology", "Mamba blocks, some with a shared transformer block fed the embeddings too"),

@@ -81,7 +81,7 @@ def shapes(family: Family) -> list[Shape]:
         config = full.get_text_config()
         for i in range(config.num_hidden_layers):
             structure = family.block(config, i)
-            block = dataclasses.replace(structure, values={**structure.values, **internal_locations(family, config)})
+            block = dataclasses.replace(structure, values={**internal_locations(family, config), **structure.values})
             shape = next((s for s in found if repr(sorted(s.block.values.items())) == repr(sorted(block.values.items()))
                           and s.block.formula == block.formula), None)
             if shape is None:
@@ -119,7 +119,8 @@ def family_page(family: Family) -> str:
         if block.extra:
             lines += ["Other terms of the identity: " + ", ".join(
                 f"`{name}` = `{location.describe()}`" for name, location in block.extra.items()) + ".", ""]
-        if not isinstance(family.attention_of(shape.config), Unavailable):
+        if not isinstance(family.attention_of(shape.config), Unavailable) and isinstance(
+                block.resolve("attention_output"), At):  # (not on a hybrid's blocks without attention)
             lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read inside "
                       "the model's eager attention once they are on: `StandardizedTransformer(..., attention_values=True)`"
                       + (f". `attention_premix` is not `attention_probabilities · values` here: "
@@ -141,7 +142,8 @@ def names_page() -> str:
     lines = [GENERATED, "# Names", "", "The same names on every family. Model-level:", "",
              "| name | what it is |", "|---|---|",
              "| `model.layers` | the blocks, a list |",
-             "| `model.layers[i].self_attn` | block i's attention module |",
+             "| `model.layers[i].self_attn` | block i's attention module (a hybrid's blocks that mix tokens "
+             "otherwise have none: `model.availability(i)` says why) |",
              "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT) |",
              "| `model.embed_tokens` | the token embedding |",
              "| `model.ln_final` | the final norm |",

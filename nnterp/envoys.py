@@ -16,6 +16,8 @@ from greenlet import getcurrent
 from nnsight import Envoy
 
 from .catalog import BY_NAME, value_named
+from .errors import ValueUnavailable
+from .locations import Unavailable
 
 if TYPE_CHECKING:
     from .standardized import StandardizedTransformer
@@ -90,6 +92,10 @@ class StandardEnvoy(Envoy):
         slot = self.__dict__.get("_nnterp_slot")
         if slot is not None and name in standard_values(type(self)):
             return slot.model.read_value(slot.layer, name)
+        if slot is not None and name == "self_attn" and isinstance(self, BlockEnvoy):
+            location = slot.model.block_spec(slot.layer).resolve("attention_output")
+            if isinstance(location, Unavailable):  # a hybrid's block that mixes tokens otherwise: say why
+                raise ValueUnavailable("self_attn", slot.model.family.name, location.reason)
         return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
 
 
@@ -98,6 +104,7 @@ class BlockEnvoy(StandardEnvoy):
 
     layer_input = StandardValue()
     attention_norm_output = StandardValue()
+    mixer_output = StandardValue()
     layer_mid = StandardValue()
     mlp_norm_output = StandardValue()
     mlp_input = StandardValue()

@@ -10,7 +10,7 @@ import torch
 from .selection import forward_order, layer_indices, token_index
 from .tokens import single_token, visible
 
-STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mlp_output")
+STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mixer_output", "mlp_output")
 
 
 def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "layer_output",
@@ -22,7 +22,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     default), or ``[prompts, layers, seq, vocab]`` over the padded batch with ``position=None``.
     The layers come back in the order asked for, repeats included. ``value`` is a
     ``[batch, seq, hidden]`` value: the stream (``layer_input``, ``layer_mid``, ``layer_output``)
-    or a contribution (``attention_output``, ``mlp_output``). On the last layer's
+    or a contribution (``attention_output``, ``mixer_output``, ``mlp_output``). On the last layer's
     ``layer_output`` the lens is the model's own next-token distribution. The readout runs inside
     the trace, so ``remote=True`` runs the whole lens on the remote model. ``return_inv_logits=True``
     (1.x) also returns the lens of the negated streams.

@@ -24,6 +24,8 @@ SIZES = {
     "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM,
     "o_lora_rank": 8, "index_head_dim": 8, "index_n_heads": 2, "router_hidden_size": 8, "rotary_dim": 4,
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
+    # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
+    "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
 }
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -55,6 +57,13 @@ def _shrink(config: PretrainedConfig) -> None:
         if getattr(config, "head_dim", None):
             _set(config, "head_dim", HEAD_DIM)
         config.hidden_size = HEADS * HEAD_DIM
+    if getattr(config, "mamba_n_heads", None):  # Mamba-2 heads split mamba_expand * hidden_size between them
+        config.mamba_n_heads = HEADS
+        if isinstance(getattr(config, "mamba_d_head", None), int):
+            config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
+    keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
+    if keys and values:  # linear attention's heads, keeping the value heads per key head
+        config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
     for name, size in SIZES.items():
         if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
             setattr(config, name, size)

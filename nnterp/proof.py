@@ -23,7 +23,14 @@ from .locations import At
 from .miniature import miniature_config, quiet_transformers
 from .version import __version__
 
-IDENTITY_TERMS = ("layer_input", "attention_output", "mlp_output", "layer_output")
+IDENTITY_TERMS = ("layer_input", "attention_output", "mixer_output", "mlp_output", "layer_output")
+# how a formula's first add gives layer_mid, where the block's stream after the token mixer is that sum
+FIRST_ADDS = {
+    "(layer_input + attention_output)": lambda v: v["layer_input"] + v["mixer_output"],
+    "(layer_input + mixer_output)": lambda v: v["layer_input"] + v["mixer_output"],
+    "(attention_output + layer_input)": lambda v: v["mixer_output"] + v["layer_input"],
+    "(mixer_output + layer_input)": lambda v: v["mixer_output"] + v["layer_input"],
+}
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,7 @@ def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
 
 
 SEQ = 5
-CACHE_FORMAT = 4  # bump when what a validation checks or records changes (4: placement checks)
+CACHE_FORMAT = 5  # bump when what a validation checks or records changes (5: the token mixer's add)
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
@@ -139,6 +146,9 @@ def build_miniature(config, architecture: type):
     """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
     with quiet_transformers():
         mini_config = miniature_config(config)
+    config_class = getattr(architecture, "config_class", None)
+    if config_class and not isinstance(mini_config, config_class):  # an image-text config's causal LM (Qwen3.5)
+        mini_config = mini_config.get_text_config()
     mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
     generator = torch.Generator().manual_seed(0)
     # the model's own initialization draws from the global generator: leave the user's random state as it was
@@ -178,15 +188,16 @@ def problems_of(model) -> list[str]:
 def _placement_problems(model, layer: int, values) -> list[str]:
     """What the identity alone cannot see: a value placed where another tensor of the right shape lives.
 
-    On a sequential block the stream after the attention add is ``layer_input + attention_output``;
+    On a sequential block the stream after the token mixer's add is ``layer_input + mixer_output``
+    (``attention_output`` on an attention block);
     the MLP is called with the output of the norm before it; a block labelled a routed mixture of
     experts has experts, and a dense one has none.
     """
     block = model.block_spec(layer)
     problems = []
-    if block.formula == SEQUENTIAL and "layer_mid" in values and not torch.equal(
-            values["layer_mid"], values["layer_input"] + values["attention_output"]):
-        problems.append(f"layer {layer}: 'layer_mid' is not layer_input + attention_output on a sequential block")
+    first = next((add for add in FIRST_ADDS if block.formula.startswith(f"layer_output = {add}")), None)
+    if first and "layer_mid" in values and not torch.equal(values["layer_mid"], FIRST_ADDS[first](values)):
+        problems.append(f"layer {layer}: 'layer_mid' is not {first.strip('()')} on a sequential block")
     if "mlp_norm_output" in values and "mlp_input" in values and not torch.equal(
             values["mlp_norm_output"], values["mlp_input"].reshape(values["mlp_norm_output"].shape)):
         problems.append(f"layer {layer}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
@@ -215,9 +226,10 @@ def _attention_problems(layer: int, values) -> list[str]:
 
 def _suspects(block, values) -> str:
     """Which values a failed identity points at, from the attention half where it can be checked alone."""
-    x, a, mid = values["layer_input"], values["attention_output"], values.get("layer_mid")
+    x, a, mid = values["layer_input"], values["mixer_output"], values.get("layer_mid")
     if mid is None or block.formula != SEQUENTIAL:
-        return "one of 'layer_input', 'self_attn.attention_output', 'mlp.mlp_output', 'layer_output' is misplaced"
+        return ("one of 'layer_input', 'self_attn.attention_output' (or 'mixer_output'), 'mlp.mlp_output', "
+                "'layer_output' is misplaced")
     if torch.equal(mid, x + a):
         return "layer_mid == layer_input + attention_output holds, so 'mlp.mlp_output' or 'layer_output' is misplaced"
     return "layer_mid != layer_input + attention_output, so 'self_attn.attention_output', 'layer_input' or 'layer_mid' is misplaced"

@@ -20,7 +20,7 @@ from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
-from .locations import At, Unavailable, leading_shape
+from .locations import At, SameAs, Unavailable, leading_shape
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,9 @@ class StandardizedTransformer(TransformersModel):
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
-            block.self_attn._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
+            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At):  # a hybrid's other blocks
+                block.self_attn._nnterp_slot = slot  # have no attention: `self_attn` says why (BlockEnvoy)
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
                                     for block in self._nnterp_blocks for location in block.values.values())
@@ -340,7 +341,8 @@ class StandardizedTransformer(TransformersModel):
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
         self._nnterp_resolved: dict[tuple[int, str], tuple] = {}
-        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**block.values, **where})
+        # a block that places the internals itself (unavailable: a hybrid's block without attention) keeps them
+        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**where, **block.values})
                                     for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
                                        for i, block in enumerate(self._nnterp_blocks)
@@ -452,13 +454,17 @@ class StandardizedTransformer(TransformersModel):
                 result[value.key] = Availability(location=location.describe())
         return result
 
-    def order(self, layer: int) -> dict[str, int]:
+    def order(self, layer: int, aliases: bool = False) -> dict[str, int]:
         """Forward-order ranks of block ``layer``'s available values; equal ranks share a location.
 
         Read a block's values in this order within one trace: reading one after a later one
-        raises nnsight's ``OutOfOrderError``.
+        raises nnsight's ``OutOfOrderError``. ``mixer_output`` is listed where it is not simply
+        the attention's output (a hybrid's blocks without attention); ``aliases=True`` lists it
+        on every block.
         """
-        events = {key: event for event, key, _ in self.timeline(layer) if not key.startswith("extra.")}
+        alias = isinstance(self.block_spec(layer).values.get("mixer_output"), SameAs)
+        events = {key: event for event, key, _ in self.timeline(layer)
+                  if not key.startswith("extra.") and (aliases or not (alias and key == "mixer_output"))}
         ranks = {event: rank for rank, event in enumerate(sorted(set(events.values())))}
         return {key: ranks[event] for key, event in events.items()}
 

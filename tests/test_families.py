@@ -229,8 +229,12 @@ IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 def test_every_family_has_a_case():
     from nnterp.families import SAME_BLOCKS
 
+    from .test_hybrids import CASES as HYBRIDS
+    from .test_hybrids import IMAGE_TEXT
+
     tested = {CASES[case][0]().model_type for case in CASES}
     also = {t for types in SAME_BLOCKS.values() for t in types}  # tests/test_more_types.py
+    also |= {model_type for model_type, *_ in HYBRIDS.values()} | {t for t, _ in IMAGE_TEXT}  # tests/test_hybrids.py
     assert tested | also == {t for f in FAMILIES for t in f.model_types} and not tested & also
 
 

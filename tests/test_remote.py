@@ -253,3 +253,18 @@ def test_run_with_cache_and_test_prompt_run_remotely_bit_exactly(case, checkpoin
         assert torch.equal(cache[key], cache_remote[key]), key
     answer = [model.test_prompt("the cat sat on the", "mat", print_results=False, remote=remote) for remote in (0, 1)]
     assert answer[0] == answer[1] and requests
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "granitemoehybrid", "lfm2"])
+def test_a_hybrid_runs_remotely_bit_exactly(model_type, checkpoints, requests):
+    """Blocks with and without attention (block 0 mixes tokens otherwise, block 1 with attention), mixer_output
+    included, and Granite-4.0-H's MLP contribution read inside the block's own code."""
+    folder = checkpoints / model_type
+    build_tiny(BY_MODEL_TYPE[model_type].tiny_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    huggingface._ID_CACHE[str(folder)] = str(folder)
+    model = StandardizedTransformer(str(folder), attention_values=True)
+    assert "mixer_output" in model.order(0) and "self_attn.attention_output" not in model.order(0)
+    assert_same(read_everything(model, False), read_everything(model, True))
+    assert_same(edit_everything(model, False), edit_everything(model, True))
+    assert requests

@@ -33,6 +33,19 @@ from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX, MINICPM3
+from .hybrid import (
+    BAMBA,
+    GRANITE_MOE_HYBRID,
+    JAMBA,
+    LARA_MINI,
+    LFM2,
+    LFM2_MOE,
+    LFM3,
+    OLMO_HYBRID,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    QWEN3_NEXT,
+)
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
@@ -51,6 +64,8 @@ FAMILIES: tuple[Family, ...] = (
     GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE, BEAM,
     MINICPM3,
 )
+FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
+             GRANITE_MOE_HYBRID)  # hybrids: attention on some blocks, another token mixer on the others
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {

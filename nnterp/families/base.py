@@ -25,6 +25,8 @@ Terms = dict[str, torch.Tensor]
 class Block:
     """One block shape: every catalog value placed, and the identity that ties them.
 
+    ``mixer_output`` is the same place as ``attention_output`` unless the spec places it (a hybrid's
+    blocks that mix tokens with something else than attention: ``families.hybrid``).
     ``combine(terms, block_module)`` recomputes ``layer_output`` from the values (and the
     ``extra`` tensors, read like values) in the order the model's code adds them.
     ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
@@ -38,6 +40,8 @@ class Block:
     ulps: int = 0
 
     def __post_init__(self):
+        if "mixer_output" not in self.values:  # a block whose token mixer is its attention
+            object.__setattr__(self, "values", {**self.values, "mixer_output": SameAs("attention_output")})
         structural = {v.name for v in CATALOG} - set(ATTENTION_INTERNALS)  # the engine places the internals
         missing = structural - set(self.values)
         unknown = set(self.values) - {v.name for v in CATALOG}
