@@ -208,7 +208,7 @@ class StandardizedTransformer(TransformersModel):
         groups: dict[tuple, list[int]] = {}
         for i in range(self.num_layers):
             table = self.availability(i)
-            available = tuple(key for _, key, _ in self.timeline(i) if not key.startswith("extra."))
+            available = tuple(self.order(i))
             unavailable = tuple(key for key, entry in table.items() if not entry.available)
             groups.setdefault((available, unavailable), []).append(i)
         for (available, unavailable), layers in groups.items():

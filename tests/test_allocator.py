@@ -17,7 +17,7 @@ from nnterp.allocator import tune_allocator
 if sys.argv[1] == "tuned":
     tune_allocator()
 def one_round():
-    kept = [torch.ones(16 * 2**20 // 4) for _ in range(8)]  # 8 x 16 MiB, above glibc's largest mmap threshold
+    kept = [torch.ones(64 * 2**20 // 4) for _ in range(2)]  # 2 x 64 MiB: above glibc's largest mmap threshold
     del kept
 one_round()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -37,10 +37,10 @@ def test_tuned_allocator_reuses_freed_memory_instead_of_faulting_it_back():
         _glibc()
     except OSError:
         pytest.skip("not glibc")
-    pages = 4 * 8 * 16 * 2**20 // 4096  # every page of the later rounds, if each came back from the kernel
+    pages = 4 * 2 * 64 * 2**20 // 4096  # every page of the later rounds, if each came back from the kernel
     default, tuned = faults("default"), faults("tuned")
     assert default > pages // 2, default  # glibc's default returns them: most pages fault again
-    assert tuned < pages // 20, tuned  # tuned: the heap keeps them
+    assert tuned < pages // 4, tuned  # tuned: the heap keeps them (a fraction faults as the heap first grows)
 
 
 def test_bad_settings_are_refused_before_anything_changes():
