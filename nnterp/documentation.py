@@ -160,7 +160,7 @@ def names_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-MOST_FAMILIES_PER_TABLE = 7  # columns of one availability table: it fits the page's width at 1280 px
+MOST_FAMILIES_PER_TABLE = 6  # columns of one availability table: it fits the page's width at 1280 px
 
 
 def _availability(found: list[Shape], value, reasons: dict[str, int]) -> str:

@@ -266,7 +266,9 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     text_config = config.get_text_config()
     for i, block in enumerate(model.get_submodule(family.layers)):
         spec = family.block(text_config, i)
-        places = {"the attention": family.attention, **({"the MLP": family.mlp} if family.mlp else {}),
+        has_attention = isinstance(spec.resolve("attention_output"), At)  # not a hybrid's other blocks
+        places = {**({"the attention": family.attention} if has_attention else {}),
+                  **({"the MLP": family.mlp} if family.mlp else {}),
                   **{f"'{name}'": location.path for name, location in {**spec.values, **spec.extra}.items()
                      if isinstance(location, At) and location.path}}
         for what, path in places.items():

@@ -9,6 +9,8 @@ from nnterp.coverage import CATEGORIES, EXCLUDED, unclassified
 from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
 
 from .test_families import CASES
+from .test_hybrids import CASES as HYBRID_CASES
+from .test_hybrids import IMAGE_TEXT
 
 
 def test_every_causal_lm_type_is_served_or_classified():
@@ -29,8 +31,10 @@ def test_a_type_nobody_has_read_fails_the_census():
 
 def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     """Served means tested: each type is a case of the family matrix (test_families.py, its own tiny config, against
-    hooks) or of test_more_types.py (its default config's miniature, against hooks)."""
+    hooks), of test_hybrids.py (the same for hybrids, and their image-text configs) or of test_more_types.py (its
+    default config's miniature, against hooks)."""
     cased = {config().model_type for config, *_ in CASES.values()}
+    cased |= {model_type for model_type, *_ in HYBRID_CASES.values()} | {t for pair in IMAGE_TEXT for t in pair}
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)

@@ -289,7 +289,7 @@ def read_all(model, ids):
     saved = {}
     with torch.no_grad(), model.trace(ids):
         for i in range(model.num_layers):
-            for key in model.order(i):
+            for key in model.order(i, aliases=True):
                 owner, _, name = key.rpartition(".")
                 envoy = model.layers[i] if not owner else getattr(model.layers[i], owner)
                 saved[(i, name)] = getattr(envoy, name).save()
