@@ -377,24 +377,28 @@ class StandardizedTransformer(TransformersModel):
 
     def read_value(self, layer: int, name: str) -> torch.Tensor:
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
-        location, key, block, envoy = self._resolved(layer, name)
-        self._begin_pass(block)
+        location, key, block, envoy, plain = self._resolved(layer, name)
+        if self._nnterp_sourced or self._nnterp_flattens:
+            self._begin_pass(block)
         try:
+            if plain:  # the module's own tensor, no view or copy: what raw nnsight reads, as directly
+                return location._element(envoy.output if location.side == "output" else envoy.inputs)
             return location.read(block, self._nnterp_num_heads, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
-    def _resolved(self, layer: int, name: str) -> tuple[At, str, Envoy, Envoy | None]:
-        """(location, key, block envoy, module envoy) of a value of a block, resolved once per model (a value's
-        place is fixed until the attention values are turned on or off), so that a read walks no path; an
-        unavailable value raises every time. An operation inside a forward is looked up on each read:
-        ``.source`` is instrumented per pass."""
+    def _resolved(self, layer: int, name: str) -> tuple[At, str, Envoy, Envoy | None, bool]:
+        """(location, key, block envoy, module envoy, plain) of a value of a block, resolved once per model (a
+        value's place is fixed until the attention values are turned on or off), so that a read walks no path;
+        an unavailable value raises every time. An operation inside a forward is looked up on each read:
+        ``.source`` is instrumented per pass. ``plain``: the module's own tensor, with no view or copy."""
         found = self._nnterp_resolved.get((layer, name))
         if found is None:
             location = self.location(layer, name)
             block = self.layers[layer]
             envoy = None if location.op else location.envoy(block)
-            found = self._nnterp_resolved[(layer, name)] = (location, value_named(name).key, block, envoy)
+            plain = envoy is not None and not location._derived
+            found = self._nnterp_resolved[(layer, name)] = (location, value_named(name).key, block, envoy, plain)
         return found
 
     def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
@@ -435,7 +439,7 @@ class StandardizedTransformer(TransformersModel):
 
     def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
         """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
-        location, key, block, envoy = self._resolved(layer, name)
+        location, key, block, envoy, _ = self._resolved(layer, name)
         self._begin_pass(block)
         try:
             location.write(block, value, self.num_heads, key, envoy)
