@@ -39,9 +39,14 @@ def get_num_layers(nn_model) -> int:
     return nn_model.num_layers if _standard(nn_model) else len(nn_model.model.layers)
 
 
+def _block(nn_model, layer: int):
+    """Block ``layer``: the standard one, or 1.x's ``model.model.layers[i]`` on a plain nnsight model."""
+    return nn_model.layers[layer] if _standard(nn_model) else nn_model.model.layers[layer]
+
+
 def get_layer(nn_model, layer: int):
     deprecated("get_layer(model, i)", "model.layers[i]")
-    return nn_model.layers[layer] if _standard(nn_model) else nn_model.model.layers[layer]
+    return _block(nn_model, layer)
 
 
 def get_layer_input(nn_model, layer: int) -> TraceTensor:
@@ -63,7 +68,7 @@ def get_layer_output(nn_model, layer: int) -> TraceTensor:
 
 def get_attention(nn_model, layer: int):
     deprecated("get_attention(model, i)", "model.layers[i].self_attn")
-    return (nn_model.layers[layer] if _standard(nn_model) else nn_model.model.layers[layer]).self_attn
+    return _block(nn_model, layer).self_attn
 
 
 def get_attention_output(nn_model, layer: int) -> TraceTensor:
@@ -73,7 +78,7 @@ def get_attention_output(nn_model, layer: int) -> TraceTensor:
 
 def get_mlp(nn_model, layer: int):
     deprecated("get_mlp(model, i)", "model.layers[i].mlp")
-    return (nn_model.layers[layer] if _standard(nn_model) else nn_model.model.layers[layer]).mlp
+    return _block(nn_model, layer).mlp
 
 
 def get_mlp_output(nn_model, layer: int) -> TraceTensor:

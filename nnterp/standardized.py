@@ -21,6 +21,7 @@ from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, 
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
+from .selection import layer_ranges
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ class StandardizedTransformer(TransformersModel):
             unavailable = tuple(key for key, entry in table.items() if not entry.available)
             groups.setdefault((available, unavailable), []).append(i)
         for (available, unavailable), layers in groups.items():
-            which = "every block" if len(groups) == 1 else f"blocks {_ranges(layers)}"
+            which = "every block" if len(groups) == 1 else f"blocks {layer_ranges(layers)}"
             lines.append(f"  {which}, in forward order: {', '.join(available)}")
             if unavailable:
                 lines.append(f"    unavailable (model.availability({layers[0]}) says why): {', '.join(unavailable)}")
@@ -378,11 +379,10 @@ class StandardizedTransformer(TransformersModel):
     def read_value(self, layer: int, name: str) -> torch.Tensor:
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
         location, key, block, envoy, plain = self._resolved(layer, name)
-        if self._nnterp_sourced or self._nnterp_flattens:
-            self._begin_pass(block)
+        self._begin_pass(block)
         try:
             if plain:  # the module's own tensor, no view or copy: what raw nnsight reads, as directly
-                return location._element(envoy.output if location.side == "output" else envoy.inputs)
+                return location._raw(envoy)
             return location.read(block, self._nnterp_num_heads, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
@@ -541,14 +541,3 @@ def forward_events(model: torch.nn.Module) -> dict[tuple[str, str], int]:
         fake_log.level = level
         for handle in handles:
             handle.remove()
-
-
-def _ranges(numbers: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    spans: list[list[int]] = []
-    for n in numbers:
-        if spans and n == spans[-1][1] + 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
