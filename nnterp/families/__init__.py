@@ -33,6 +33,7 @@ from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX, MINICPM3
+from .hy_v4 import HY_V4
 from .hybrid import (
     BAMBA,
     GRANITE_MOE_HYBRID,
@@ -62,7 +63,7 @@ FAMILIES: tuple[Family, ...] = (
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
     STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
     GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE, BEAM,
-    MINICPM3,
+    MINICPM3, HY_V4,
 )
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
              GRANITE_MOE_HYBRID)  # hybrids: attention on some blocks, another token mixer on the others
