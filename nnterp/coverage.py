@@ -63,8 +63,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "granitemoeshared": ("new shape: topology", "the MLP contribution is two modules' outputs summed "
                                                 "(block_sparse_moe + shared_mlp)"),
     "granitemoe_swa": ("new shape: topology", "as granitemoeshared, with sliding-window attention"),
-    "qwen4_exp": ("new shape: streams", "gated hyper-connections over a widened stream, per-layer mixers"),
-    "qwen4_exp_text": ("new shape: streams", "gated hyper-connections over a widened stream, per-layer mixers"),
     "gemma3n_text": ("new shape: streams", "AltUp's several predicted streams, a LAuReL branch and per-layer inputs"),
     "inkling2_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs"),
     "inkling2_loop_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs; looped layers"),

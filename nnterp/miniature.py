@@ -26,6 +26,9 @@ SIZES = {
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
+    # widened streams' mixing rank, per-layer n-gram embeddings and the token selector's heads (Qwen4-Exp)
+    "hc_lowrank": 8, "ngram_vocab_size_base": 1000, "ple_embed_dim": 16, "indexer_head_dim": HEAD_DIM,
+    "indexer_n_heads": 2,
 }
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
