@@ -67,7 +67,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "inkling2_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs"),
     "inkling2_loop_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs; looped layers"),
     "reformer": ("new shape: streams", "reversible residuals over two half streams"),
-    "dory": ("new shape: formula", "nGPT's interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
+    "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
+                                    "restarting from the normed stream plus the input section's output), with nGPT's "
+                                    "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
     "gpt_neox_japanese": ("new shape: formula", "the attention's bias is added inside the residual add, at no module "
                                                 "boundary"),
     "cpmant": ("new shape: formula", "adds inside its sub-blocks over a stream with prompt tokens prepended inside "
