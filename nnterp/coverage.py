@@ -72,8 +72,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                     "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
     "gpt_neox_japanese": ("new shape: formula", "the attention's bias is added inside the residual add, at no module "
                                                 "boundary"),
-    "cpmant": ("new shape: formula", "adds inside its sub-blocks over a stream with prompt tokens prepended inside "
-                                     "the model"),
+    "cpmant": ("new shape: formula", "the model prepends prompt_length learned prompt positions to the stream and "
+                                     "drops them after the final norm, so position i of a block's values is not "
+                                     "token i (the blocks themselves add inside self_att / ffn sub-blocks)"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),
