@@ -37,7 +37,7 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
     """A copy of ``config`` (the full config, text and vision parts) with every size shrunk."""
     mini = copy.deepcopy(config)
-    for part in {id(c): c for c in (mini, mini.get_text_config(), getattr(mini, "vision_config", None)) if c}.values():
+    for part in {id(c): c for c in (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None)) if c}.values():
         _shrink(part)
     return mini
 

@@ -11,6 +11,8 @@ from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
 from .test_families import CASES
 from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
+from .test_multimodal import CASES as MULTIMODAL_CASES
+from .test_multimodal import TEXT_TYPES
 from .test_streams import SERVED as STREAM_TYPES
 
 
@@ -37,6 +39,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased = {config().model_type for config, *_ in CASES.values()}
     cased |= {model_type for model_type, *_ in HYBRID_CASES.values()} | {t for pair in IMAGE_TEXT for t in pair}
     cased |= set(STREAM_TYPES)
+    cased |= {model_type for model_type, *_ in MULTIMODAL_CASES.values()} | set(TEXT_TYPES.values())  # test_multimodal.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)

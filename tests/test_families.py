@@ -241,10 +241,13 @@ def test_every_family_has_a_case():
 
     from .test_hybrids import CASES as HYBRIDS
     from .test_hybrids import IMAGE_TEXT
+    from .test_multimodal import CASES as MULTIMODAL
+    from .test_multimodal import TEXT_TYPES
 
     tested = {CASES[case][0]().model_type for case in CASES}
     also = {t for types in SAME_BLOCKS.values() for t in types}  # tests/test_more_types.py
     also |= {model_type for model_type, *_ in HYBRIDS.values()} | {t for t, _ in IMAGE_TEXT}  # tests/test_hybrids.py
+    also |= {t for t, *_ in MULTIMODAL.values()} | set(TEXT_TYPES.values())  # tests/test_multimodal.py
     assert tested | also == {t for f in FAMILIES for t in f.model_types} and not tested & also
 
 

@@ -51,6 +51,7 @@ from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
+from .multimodal import MULTIMODAL
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
@@ -68,6 +69,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
              GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
+FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
