@@ -138,6 +138,49 @@ def test_edits_reach_the_logits_as_hooks_do(case):
     assert torch.equal(edited, expected) and not torch.equal(edited, clean)
 
 
+# case -> the image input of its tiny config: one placeholder token (127) and the pixels that replace its embedding
+IMAGES = {
+    "got_ocr2": lambda: torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)),  # one token per image
+    "fuyu": lambda: torch.randn(1, 1, 4 * 4 * 3, generator=torch.Generator().manual_seed(0)),  # one 4x4 RGB patch
+}
+
+
+@pytest.mark.parametrize("case", IMAGES)
+def test_with_an_image_the_blocks_read_the_merged_embeddings(case):
+    """The image's embedding replaces the placeholder token's before block 0: the blocks' values are the hooks', the
+    identity holds, and edits reach the logits as hooks' do."""
+    model, hf, truth = make(case)
+    ids, pixels = torch.tensor([[3, 127, 5, 6, 7]]), IMAGES[case]()
+    blocks, captured = hf.base_model_blocks, {}
+
+    def capture(module, args, kwargs, i):  # each block's input stream (a hook that returns nothing)
+        captured.setdefault(i, (args[0] if args else kwargs["hidden_states"]).clone())
+
+    handles = [block.register_forward_pre_hook(lambda m, a, k, i=i: capture(m, a, k, i), with_kwargs=True)
+               for i, block in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            expected = hf(input_ids=ids, pixel_values=pixels).logits
+            text_only = hf(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    saved, logits = read_all(model, {"input_ids": ids, "pixel_values": pixels})
+    assert torch.equal(logits, expected) and not torch.equal(expected, text_only)
+    for i in range(model.num_layers):
+        assert torch.equal(saved[(i, "layer_input")], captured[i]), f"layer {i}"
+    assert all(result.exact for result in check_identity(model, {"input_ids": ids, "pixel_values": pixels}))
+    with torch.no_grad(), model.trace(ids, pixel_values=pixels):
+        model.layers[1].mlp.mlp_output = model.layers[1].mlp.mlp_output * 0.5
+        edited = model.logits.save()
+    handle = register_edit(hf, blocks[1].get_submodule(truth(1)["mlp_output"][0]), "out", lambda t: t * 0.5)
+    try:
+        with torch.no_grad():
+            assert torch.equal(edited, hf(input_ids=ids, pixel_values=pixels).logits)
+    finally:
+        handle.remove()
+
+
 def test_moshi_mlp_activation_and_neurons_are_its_gated_halves():
     """fc1 computes the gate and up halves at once: the activation is act(gate), the neurons act(gate) * up."""
     model, hf, _ = make("moshi")
