@@ -124,6 +124,9 @@ class StandardizedTransformer(TransformersModel):
         lazy = isinstance(model, (str, os.PathLike)) and not dispatch
         if isinstance(model, (str, os.PathLike)):
             config, architecture, tokenizer, validated = _prepare(model, tokenizer, validate, from_pretrained_kwargs)
+            keys = family_of(config, architecture.__name__).checkpoint_keys
+            if keys:  # the user's own key_mapping, if any, wins
+                from_pretrained_kwargs = {"key_mapping": dict(keys), **from_pretrained_kwargs}
             if not lazy:
                 model = architecture.from_pretrained(model, **from_pretrained_kwargs)
         elif from_pretrained_kwargs:

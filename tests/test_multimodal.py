@@ -218,6 +218,54 @@ def test_the_default_config_miniature_is_proven(model_type):
         assert torch.equal(model.project_on_vocab(last), logits)
 
 
+def emu3_image_text(config):
+    """Emu3's image-text class, with a tiny image tokenizer (VQ-VAE) beside the tiny text model."""
+    from transformers import Emu3ForConditionalGeneration
+
+    config.vocabulary_map = {"<image>": 126, "<|extra_200|>": 127}
+    config.vq_config.update(dict(base_channels=32, codebook_size=16, hidden_size=32))
+    model = Emu3ForConditionalGeneration(config)
+    return model, model  # on token ids, the image-text model's text logits
+
+
+def moshi_speech_text(config):
+    """Moshi's speech-to-speech class, a tiny depth decoder and audio codec beside the tiny temporal transformer."""
+    from transformers import MoshiForConditionalGeneration
+
+    config.audio_vocab_size = 16
+    config.depth_decoder_config.update(dict(hidden_size=32, input_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=2, head_dim=16, ffn_dim=64, vocab_size=128,
+                                            audio_vocab_size=16))
+    config.audio_encoder_config.update(dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=2, head_dim=16, intermediate_size=64, codebook_size=16,
+                                            codebook_dim=16, vector_quantization_hidden_dimension=16, num_filters=4,
+                                            upsample_groups=32))
+    model = MoshiForConditionalGeneration(config)
+    return model, model.decoder  # its text logits: the temporal transformer's
+
+
+# a type whose checkpoints are of a larger class than the causal LM transformers builds: that class, and the module
+# whose text logits the causal LM must give
+CHECKPOINT_CLASSES = {"emu3": emu3_image_text, "moshi": moshi_speech_text}
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["loaded", "lazy"])
+@pytest.mark.parametrize("model_type", CHECKPOINT_CLASSES)
+def test_a_checkpoint_of_the_larger_class_loads_its_weights_by_name(model_type, dispatch, tmp_path):
+    """transformers builds the text model from such a checkpoint without renaming its keys (its weights would stay
+    random): loading by name renames them, and the model gives the checkpoint's own text logits."""
+    torch.manual_seed(0)
+    full, text = CHECKPOINT_CLASSES[model_type](BY_MODEL_TYPE[model_type].tiny_config())
+    perturb(full).eval().save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = text(input_ids=IDS).logits
+    model = StandardizedTransformer(tmp_path, tokenizer=tiny_tokenizer(), dispatch=dispatch)
+    with torch.no_grad(), model.trace(IDS):
+        logits = model.logits.save()
+    assert type(model._module).__name__ == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    assert torch.equal(logits, expected)
+
+
 @pytest.mark.parametrize("model_type, text_type", TEXT_TYPES.items())
 def test_the_image_text_config_builds_the_text_model_of_the_same_family(model_type, text_type):
     """An Emu3 checkpoint's config is the image-text one; the causal LM transformers builds from it is the text model,

@@ -16,6 +16,10 @@ so every value stays at the module boundary it is read at. Moshi's causal LM is 
 transformer, Llama's block with a gated MLP whose ``fc1`` computes the gate and up halves at once:
 ``mlp_activation`` is ``activation_fn`` of the gate half and ``mlp_neurons`` what ``fc2`` sums (the depth decoder
 and the audio codec belong to ``MoshiForConditionalGeneration`` only).
+
+Emu3 and Moshi checkpoints are of the larger class (``Emu3ForConditionalGeneration``, ``MoshiForConditionalGeneration``),
+which keeps the text model's weights under a prefix (``text_model.``, ``decoder.``) that transformers does not rename
+for the causal LM it builds: loading by name renames them (``key_mapping``), or every weight would stay random.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ _PLACEHOLDER = 127  # the image / audio token, within the tiny vocabulary
 
 
 def same_blocks(family: Family, name: str, model_types: tuple[str, ...], tiny_config: Callable[[], PretrainedConfig],
-                *, language_model: bool = True) -> Family:
+                *, language_model: bool = True, checkpoint_keys: tuple[tuple[str, str], ...] = ()) -> Family:
     """``family``'s blocks in another model class: under ``model.language_model`` (the backbone of an image-text or
     audio-text class), or where they are (``language_model=False``). The head is the class's plain ``lm_head``."""
     def inner(path: str) -> str:
@@ -55,7 +59,8 @@ def same_blocks(family: Family, name: str, model_types: tuple[str, ...], tiny_co
         family, name=name, model_types=model_types, layers=inner(family.layers),
         embed_tokens=inner(family.embed_tokens), ln_final=inner(family.ln_final),
         block=lambda config, i: family.block(config, i),  # defined here: the docs read this module's docstring
-        tiny_config=tiny_config, logits_transform=None, head_input_transform=None, variants=())
+        tiny_config=tiny_config, logits_transform=None, head_input_transform=None, variants=(),
+        checkpoint_keys=checkpoint_keys)
 
 
 GOT_OCR2 = same_blocks(QWEN2, "GOT-OCR2", ("got_ocr2",), lambda: GotOcr2Config(
@@ -70,7 +75,7 @@ FUYU = same_blocks(PERSIMMON, "Fuyu", ("fuyu",), lambda: FuyuConfig(
     text_config=PERSIMMON.tiny_config().to_dict(), image_size=16, patch_size=4, image_token_id=_PLACEHOLDER))
 EMU3 = same_blocks(LLAMA, "Emu3", ("emu3", "emu3_text_model"), lambda: Emu3Config(
     text_config=Emu3TextConfig(**_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2).to_dict()),
-    language_model=False)
+    language_model=False, checkpoint_keys=((r"^text_model\.model\.", "model."), (r"^text_model\.lm_head", "lm_head")))
 PHI4_MULTIMODAL = same_blocks(PHI3, "Phi-4-multimodal", ("phi4_multimodal",), lambda: Phi4MultimodalConfig(
     **_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -89,6 +94,7 @@ MOSHI = Family(
     tiny_config=lambda: MoshiConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                     head_dim=16, ffn_dim=256, vocab_size=128, max_position_embeddings=64,
                                     sliding_window=64),
+    checkpoint_keys=((r"^decoder\.", ""),),  # a MoshiForConditionalGeneration checkpoint's temporal transformer
 )
 
 MULTIMODAL = (GOT_OCR2, MOSS_TRANSCRIBE_DIARIZE, FUYU, EMU3, PHI4_MULTIMODAL, MOSHI)
