@@ -181,6 +181,21 @@ def test_with_an_image_the_blocks_read_the_merged_embeddings(case):
         handle.remove()
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_attention_values_are_proven_and_compose_to_the_premix(case):
+    """The eager attention's probabilities times its values are each head's input to the output projection."""
+    model, *_ = make(case)
+    model.enable_attention_values()  # proven on the miniature first, the composition included
+    with torch.no_grad(), model.trace(IDS):
+        values = model.layers[1].self_attn.values.save()  # in forward order
+        probabilities = model.layers[1].self_attn.attention_probabilities.save()
+        premix = model.layers[1].self_attn.attention_premix.save()
+    groups = model.num_heads // values.shape[2]
+    mixed = probabilities @ values.transpose(1, 2).repeat_interleave(groups, dim=1)  # [batch, heads, seq, head_dim]
+    assert torch.allclose(mixed.transpose(1, 2), premix, atol=1e-6)
+    assert torch.allclose(probabilities.sum(-1), torch.ones(()))
+
+
 def test_moshi_mlp_activation_and_neurons_are_its_gated_halves():
     """fc1 computes the gate and up halves at once: the activation is act(gate), the neurons act(gate) * up."""
     model, hf, _ = make("moshi")
