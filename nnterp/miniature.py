@@ -35,9 +35,10 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 
 
 def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` (the full config, text and vision parts) with every size shrunk."""
+    """A copy of ``config`` (the full config: text, vision and audio parts) with every size shrunk."""
     mini = copy.deepcopy(config)
-    for part in {id(c): c for c in (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None)) if c}.values():
+    parts = (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None))
+    for part in {id(c): c for c in parts if c}.values():
         _shrink(part)
     return mini
 
