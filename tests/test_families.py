@@ -15,7 +15,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 
 from nnterp import StandardizedTransformer, ValueUnavailable
 from nnterp.catalog import BY_NAME
-from nnterp.families import BY_MODEL_TYPE, FAMILIES
+from nnterp.families import BY_MODEL_TYPE
 
 from .conftest import build_tiny, tiny_tokenizer
 
@@ -234,21 +234,6 @@ CASES = {
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
-
-
-def test_every_family_has_a_case():
-    from nnterp.families import SAME_BLOCKS
-
-    from .test_hybrids import CASES as HYBRIDS
-    from .test_hybrids import IMAGE_TEXT
-    from .test_multimodal import CASES as MULTIMODAL
-    from .test_multimodal import TEXT_TYPES
-
-    tested = {CASES[case][0]().model_type for case in CASES}
-    also = {t for types in SAME_BLOCKS.values() for t in types}  # tests/test_more_types.py
-    also |= {model_type for model_type, *_ in HYBRIDS.values()} | {t for t, _ in IMAGE_TEXT}  # tests/test_hybrids.py
-    also |= {t for t, *_ in MULTIMODAL.values()} | set(TEXT_TYPES.values())  # tests/test_multimodal.py
-    assert tested | also == {t for f in FAMILIES for t in f.model_types} and not tested & also
 
 
 def first(x):
