@@ -97,6 +97,20 @@ def _architecture_of(config) -> type[PreTrainedModel]:
         ) from None
 
 
+def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwargs: dict) -> PreTrainedModel:
+    """The checkpoint's model, refused when the checkpoint left weights of its blocks out: those would be random,
+    and every value read from them noise (transformers only logs it)."""
+    model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
+    missing = [key for key in info.get("missing_keys", ()) if key.startswith(family.layers + ".")]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
+            f"(e.g. {', '.join(sorted(missing)[:3])}), so they would be random. The checkpoint may keep them under "
+            "other names: pass key_mapping={regex: replacement} to rename them as the model names them."
+        )
+    return model
+
+
 class StandardizedTransformer(TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
@@ -128,7 +142,7 @@ class StandardizedTransformer(TransformersModel):
             if keys:  # the user's own key_mapping, if any, wins
                 from_pretrained_kwargs = {"key_mapping": dict(keys), **from_pretrained_kwargs}
             if not lazy:
-                model = architecture.from_pretrained(model, **from_pretrained_kwargs)
+                model = _load_whole(architecture, model, family_of(config, architecture.__name__), from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
