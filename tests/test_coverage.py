@@ -12,6 +12,7 @@ from .test_families import CASES
 from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
 from .test_streams import SERVED as STREAM_TYPES
+from .test_topology import CASES as TOPOLOGY_CASES
 
 
 def test_every_causal_lm_type_is_served_or_classified():
@@ -37,6 +38,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased = {config().model_type for config, *_ in CASES.values()}
     cased |= {model_type for model_type, *_ in HYBRID_CASES.values()} | {t for pair in IMAGE_TEXT for t in pair}
     cased |= set(STREAM_TYPES)
+    cased |= set(TOPOLOGY_CASES)  # tests/test_topology.py: its cases are named by model type
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)
