@@ -5,16 +5,17 @@
 the products are not at any module boundary, so the values are the sublayers' own
 outputs and the identity carries ``r``. (Block 0's input is the embedding times
 ``embedding_multiplier``, and the logits are ``lm_head`` divided by ``logits_scaling``.)
-Granite-MoE's MLP is a routed mixture at ``block_sparse_moe``. Granite-MoE-shared (and
-Granite-MoE-SWA, the same block with sliding-window attention and attention sinks) adds a shared
-MLP (``shared_mlp``, where ``shared_intermediate_size > 0``) called with the same normed stream:
-the MLP contribution is the experts' output plus the shared MLP's, summed in the block's own code,
-so ``mlp_output`` is read at that add (the operation nnsight's ``.source`` names
-``hidden_states_4``) and ``mlp_input`` is the norm's output. ``layers[i].mlp`` is the mixture, the
-module every config of the type has (``layers[i].shared_mlp`` is the shared MLP); the MLP is
-routed, so no single activation exists. HyperCLOVAX norms each
-contribution after its sublayer (``post_norm1``, ``post_norm2``), so a contribution is that
-norm's output, and it multiplies its logits by ``logits_scaling``. MiniCPM3's factor is the
+Granite-MoE's MLP is a routed mixture at ``block_sparse_moe``.
+Granite-MoE-shared and Granite-MoE-SWA (the same block with sliding-window attention) add a shared
+MLP (``shared_mlp``, where ``shared_intermediate_size > 0``; the default config has none) called with
+the same normed stream: the MLP contribution is the experts' output plus the shared MLP's, summed in
+the block's own code, so ``mlp_output`` is read at that add (the operation nnsight's ``.source``
+names ``hidden_states_4``) and ``mlp_input`` is the norm's output. ``layers[i].mlp`` is the mixture,
+the module every config of the type has (``layers[i].shared_mlp`` is the shared MLP); the MLP is
+routed, so no single activation exists. Granite-MoE-SWA's eager attention scales the heads' mixed
+values by attention-sink factors, so the values inside its attention are unavailable.
+HyperCLOVAX norms each contribution after its sublayer (``post_norm1``, ``post_norm2``), so a
+contribution is that norm's output, and it multiplies its logits by ``logits_scaling``. MiniCPM3's factor is the
 block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its attention is latent
 (MLA), and it divides the normed stream by ``logits_scaling`` before the head.
 """
