@@ -1,5 +1,5 @@
-"""Blocks of another topology (two MLP modules summed, a per-layer temporal block, Mamba and attention side by side)
-against plain hooks.
+"""Blocks of another topology (two MLP modules summed, a per-layer temporal block, Mamba and attention side by side,
+an attention bias added in the residual add) against plain hooks.
 
 Ground truth: module boundaries written from transformers' decoder-layer code, captured with forward hooks on the
 unwrapped model; a contribution no module returns (a sum, a product by a multiplier) is the block's own arithmetic on
@@ -75,6 +75,24 @@ def falcon_h1_derived(got, block):
     return {"attention_output": attention, "mixer_output": got["mamba"] * block.ssm_out_multiplier + attention}
 
 
+def neox_japanese_truth(block):
+    """GPT-NeoX-Japanese: the last block's attention returns its output projection's bias apart (element 2), added to
+    its output (element 0) inside the block's residual add."""
+    values = {
+        "layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
+        "attention_premix": ("attention.dense", "in"), "layer_mid": ("post_attention_layernorm", "in"),
+        "mlp_norm_output": ("post_attention_layernorm", "out"), "mlp_input": ("mlp", "in"),
+        "mlp_activation": ("mlp.act", "out"), "mlp_neurons": ("mlp.dense_4h_to_h", "in"), "mlp_output": ("mlp", "out"),
+        "layer_output": ("", "out"), "attention": ("attention", "out"),
+    }
+    return {**values, "bias": ("attention", "out2")} if block.attention.dense_bias is not None else values
+
+
+def neox_japanese_derived(got, block):
+    attention = got["attention"] + got["bias"].expand_as(got["attention"]) if "bias" in got else got["attention"]
+    return {"attention_output": attention, "mixer_output": attention}
+
+
 def granite_swa_config():
     config = BY_MODEL_TYPE["granitemoeshared"].tiny_config().to_dict()
     keep = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -98,6 +116,8 @@ CASES = {
                         lambda x, a, b: a + x, lambda mid, m, b: m + mid),
     "falcon_h1": (tiny("falcon_h1"), falcon_h1_truth, falcon_h1_derived,
                   lambda x, a, b: x + a, lambda mid, m, b: mid + m),
+    "gpt_neox_japanese": (tiny("gpt_neox_japanese"), neox_japanese_truth, neox_japanese_derived,
+                          lambda x, a, b: x + a, lambda mid, m, b: mid + m),
 }
 
 
@@ -126,7 +146,8 @@ def catalog_names(at, i):
 
 def is_attention(hf, i):
     block = hf.base_model_blocks[i]
-    return hasattr(getattr(block, "temporal_block", block), "o_proj") or hasattr(block, "self_attn")
+    return hasattr(getattr(block, "temporal_block", block), "o_proj") or any(
+        hasattr(block, name) for name in ("self_attn", "attention"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -208,8 +229,10 @@ def test_edits_reach_the_logits_as_hooks_do(case):
         edited = model.logits.save()
     # the same edits by hooks: a sum is zeroed by zeroing its terms, halved by halving them (a power of two: exact)
     modules = hf.base_model_blocks[block]
-    zeroed = {"falcon_h1": ["mamba", "self_attn"], "recurrent_gemma": ["temporal_block"]}.get(case, ["self_attn"])
-    halved = {"falcon_h1": ["feed_forward"], "recurrent_gemma": ["mlp_block"]}.get(case, ["block_sparse_moe", "shared_mlp"])
+    zeroed = {"falcon_h1": ["mamba", "self_attn"], "recurrent_gemma": ["temporal_block"],
+              "gpt_neox_japanese": ["attention"]}.get(case, ["self_attn"])
+    halved = {"falcon_h1": ["feed_forward"], "recurrent_gemma": ["mlp_block"],
+              "gpt_neox_japanese": ["mlp"]}.get(case, ["block_sparse_moe", "shared_mlp"])
     handles = [register_edit(hf, modules.get_submodule(path), "out", zero_last) for path in zeroed]
     handles += [register_edit(hf, modules.get_submodule(path), "out", lambda t: t * 0.5) for path in halved[1:]]
     try:
@@ -224,9 +247,39 @@ def test_edits_reach_the_logits_as_hooks_do(case):
     with torch.no_grad(), model.trace(IDS):
         model.layers[attention].self_attn.attention_output = model.layers[attention].self_attn.attention_output * 2
         doubled = model.logits.save()
-    path = "temporal_block" if case == "recurrent_gemma" else "self_attn"
+    path = {"recurrent_gemma": "temporal_block", "gpt_neox_japanese": "attention"}.get(case, "self_attn")
     want = run_with_hook(hf, hf.base_model_blocks[attention].get_submodule(path), "out", lambda t: t * 2)
     assert torch.equal(doubled, want) and not torch.equal(doubled, clean)
+
+
+def test_neox_japanese_edits_of_the_attention_with_its_bias_reach_the_logits_as_hooks_do():
+    """The last block's attention_output is the projection's output plus the bias: a hook edits both terms."""
+    model, hf, *_ = make("gpt_neox_japanese")
+    last = model.num_layers - 1
+    attention = hf.base_model_blocks[last].attention
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[last].self_attn.attention_output[:, -1] = 0
+        zeroed = model.logits.save()
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[last].self_attn.attention_output = model.layers[last].self_attn.attention_output * 2
+        doubled = model.logits.save()
+
+    def logits_with(edit):
+        handle = attention.register_forward_hook(lambda m, args, out: edit(*out))
+        try:
+            with torch.no_grad():
+                return hf(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits
+        finally:
+            handle.remove()
+
+    def cancel_last(out, weights, bias):  # (-bias) + bias is 0 exactly
+        out = out.clone()
+        out[:, -1] = -bias
+        return out, weights, bias
+
+    assert torch.equal(zeroed, logits_with(cancel_last))
+    assert torch.equal(doubled, logits_with(lambda out, weights, bias: (out * 2, weights, bias * 2)))
+    assert not torch.equal(zeroed, doubled)
 
 
 def test_falcon_h1_skipping_a_block_against_hooks():
@@ -259,11 +312,12 @@ def test_attention_values_are_proven_on_the_attention_blocks(case):
     assert torch.allclose(probabilities.sum(-1), torch.ones(()))
 
 
-def test_granite_swa_attention_internals_are_unavailable_with_the_reason():
-    model, *_ = make("granitemoe_swa")
-    with pytest.raises(ValueUnavailable, match="sink factor"):
+@pytest.mark.parametrize("case, reason", [("granitemoe_swa", "sink factor"), ("gpt_neox_japanese", "its own code")])
+def test_attention_internals_unavailable_with_the_reason(case, reason):
+    model, *_ = make(case)
+    with pytest.raises(ValueUnavailable, match=reason):
         model.enable_attention_values()
-    assert "sink factor" in model.availability(0)["self_attn.attention_probabilities"].reason
+    assert reason in model.availability(0)["self_attn.attention_probabilities"].reason
 
 
 def test_granite_shared_without_a_shared_mlp_reads_the_mixture():
@@ -298,6 +352,7 @@ DEFAULTS = {
     "falcon_h1": [dict(num_hidden_layers=3, embedding_multiplier=3.0, lm_head_multiplier=0.375,
                        attention_in_multiplier=0.7, attention_out_multiplier=0.3, ssm_out_multiplier=0.6,
                        ssm_in_multiplier=1.3, mlp_multipliers=[1.25, 0.55])],
+    "gpt_neox_japanese": [dict(num_hidden_layers=3)],
 }
 
 
