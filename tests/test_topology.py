@@ -310,6 +310,12 @@ def test_attention_values_are_proven_on_the_attention_blocks(case):
         probabilities = model.layers[block].self_attn.attention_probabilities.save()
     assert queries.shape[:3] == (*IDS.shape, model.num_heads)
     assert torch.allclose(probabilities.sum(-1), torch.ones(()))
+    for i in range(model.num_layers):  # they stay unavailable on the blocks without attention
+        if not is_attention(hf, i):
+            assert "RG-LRU" in model.availability(i)["self_attn.queries"].reason
+            with pytest.raises(ValueUnavailable, match="RG-LRU"):
+                with model.trace(IDS):
+                    model.layers[i].self_attn.queries.save()
 
 
 @pytest.mark.parametrize("case, reason", [("granitemoe_swa", "sink factor"), ("gpt_neox_japanese", "its own code")])
