@@ -74,8 +74,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
                                     "restarting from the normed stream plus the input section's output), with nGPT's "
                                     "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
-    "gpt_neox_japanese": ("new shape: formula", "the attention's bias is added inside the residual add, at no module "
-                                                "boundary"),
     "cpmant": ("new shape: formula", "the model prepends prompt_length learned prompt positions to the stream and "
                                      "drops them after the final norm, so position i of a block's values is not "
                                      "token i (the blocks themselves add inside self_att / ffn sub-blocks)"),
