@@ -29,6 +29,7 @@ SIZES = {
     # widened streams' mixing rank, per-layer n-gram embeddings and the token selector's heads (Qwen4-Exp)
     "hc_lowrank": 8, "ngram_vocab_size_base": 1000, "ple_embed_dim": 16, "indexer_head_dim": HEAD_DIM,
     "indexer_n_heads": 2,
+    "lru_width": HEADS * HEAD_DIM,  # Griffin's recurrence width, split in blocks between the heads
 }
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -65,6 +66,8 @@ def _shrink(config: PretrainedConfig) -> None:
         config.mamba_n_heads = HEADS
         if isinstance(getattr(config, "mamba_d_head", None), int):
             config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
+        if getattr(config, "mamba_d_ssm", None):  # Falcon-H1 gives the Mamba width itself: heads times their size
+            config.mamba_d_ssm = HEADS * config.mamba_d_head
     keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
     if keys and values:  # linear attention's heads, keeping the value heads per key head
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)

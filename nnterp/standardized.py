@@ -501,10 +501,16 @@ class StandardizedTransformer(TransformersModel):
                   for key, location in located if not location.op}
         rank = {key: BY_NAME[key.rpartition(".")[2]].rank for key, _ in located if not key.startswith("extra.")}
         block_input = (self._event_index(self.block_path(layer), "input", "layer_input"), 0)
+        # and after its module is called (Falcon-H1 runs its Mamba between the norm and the attention). Operations
+        # of equal rank at different places (Falcon-H1's scaled attention output, then the sum that is its mixer's
+        # output) follow the catalog's order; values read at one operation share its event.
+        places: dict[tuple[str, str, str], int] = {}
         for key, location in located:
             if location.op:
+                called = self._forward_events.get((self.block_path(layer, location.path), "input"), -1)
                 before = [events[k] for k in events if k in rank and rank[k] < rank[key]]
-                events[key] = (max(before, default=block_input)[0], 1 + rank[key])
+                place = places.setdefault((location.path, location.op, location.side), len(places))
+                events[key] = (max(max(before, default=block_input)[0], called), 1 + rank[key], place)
         return sorted(((events[key], key, location) for key, location in located), key=lambda item: item[0])
 
     def _event_index(self, name: str, side: str, key: str) -> int:

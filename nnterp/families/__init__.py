@@ -32,7 +32,7 @@ from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
-from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX, MINICPM3
+from .granite import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, HYPERCLOVAX, MINICPM3
 from .hy_v4 import HY_V4
 from .hybrid import (
     BAMBA,
@@ -58,6 +58,7 @@ from .phi3 import PHI3
 from .qwen4_exp import QWEN4_EXP
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
+from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
@@ -70,6 +71,7 @@ FAMILIES: tuple[Family, ...] = (
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
              GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
 FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
+FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/test_topology.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
