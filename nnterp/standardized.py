@@ -351,6 +351,16 @@ class StandardizedTransformer(TransformersModel):
         """The environment a remote request carries: eager attention while the attention values are on."""
         env = TransformersModel._remoteable_get_env(self)
         if self._nnterp_attention_on:
+            # the server switches through transformers, which refuses a class with an attention of its own code
+            # (a multimodal model's vision tower): say so before sending a request bound to fail
+            can_switch = getattr(type(self._module), "_can_set_attn_implementation", lambda: True)
+            if not can_switch():
+                raise ValueError(
+                    f"The attention values cannot run remotely on {type(self._module).__name__}: the server switches "
+                    "a model to eager attention through transformers, which refuses this class (part of it computes "
+                    "attention in its own code). Call model.disable_attention_values() for remote traces; every "
+                    "other value runs remotely."
+                )
             env["attn_implementation"] = attention.IMPLEMENTATION
         return env
 
