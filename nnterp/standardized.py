@@ -98,11 +98,17 @@ def _architecture_of(config) -> type[PreTrainedModel]:
 
 
 def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwargs: dict) -> PreTrainedModel:
-    """The checkpoint's model, refused when the checkpoint left weights of its blocks out: those would be random,
-    and every value read from them noise (transformers only logs it)."""
+    """The checkpoint's model, refused when the checkpoint holds none of a block's weights: they would all be random,
+    and every value read from them noise (transformers only logs it). A few missing weights (a norm that a loading
+    option added to the checkpoint's architecture) are left to transformers' warning."""
     model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
-    missing = [key for key in info.get("missing_keys", ()) if key.startswith(family.layers + ".")]
-    if missing:
+    prefix = family.layers + "."
+    missing = {key for key in info.get("missing_keys", ()) if key.startswith(prefix)}
+    blocks: dict[str, set[str]] = {}
+    for key, _ in model.named_parameters():
+        if key.startswith(prefix):
+            blocks.setdefault(key[len(prefix):].partition(".")[0], set()).add(key)
+    if any(weights <= missing for weights in blocks.values()):
         raise ValueError(
             f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
             f"(e.g. {', '.join(sorted(missing)[:3])}), so they would be random. The checkpoint may keep them under "
