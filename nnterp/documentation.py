@@ -92,6 +92,14 @@ def shapes(family: Family) -> list[Shape]:
     return found
 
 
+def _mlp_module(family: Family) -> str:
+    if family.mlp:
+        return f"`{family.mlp}`"
+    if all(isinstance(shape.block.resolve("mlp_output"), Unavailable) for shape in shapes(family)):
+        return "none: no block has an MLP"
+    return "the block itself (no MLP module)"
+
+
 def family_page(family: Family) -> str:
     doc = inspect.cleandoc(sys.modules[family.block.__module__].__doc__ or "")
     config = family.tiny_config()
@@ -100,11 +108,12 @@ def family_page(family: Family) -> str:
              "## Modules", "", "| standard name | module |", "|---|---|",
              f"| `layers` | `{family.layers}` |", f"| `embed_tokens` | `{family.embed_tokens}` |",
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
-             f"| `layers[i].self_attn` | `{family.attention}` |",
-             f"| `layers[i].mlp` | {f'`{family.mlp}`' if family.mlp else 'the block itself (no MLP module)'} |", ""]
-    if family.stream_readout or family.logits_transform or family.head_input_transform:
+             f"| `layers[i].self_attn` | {f'`{family.attention}`' if family.attention else 'none: no block has attention'} |",
+             f"| `layers[i].mlp` | {_mlp_module(family)} |", ""]
+    if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")
+                  + ("what the model does to the last block's output, then " if family.before_final_norm else "")
                   + "the final norm" + (", the family's transform of the normed stream"
                                         if family.head_input_transform else "")
                   + " and the head" + (", then the family's transform of the logits"
@@ -144,7 +153,8 @@ def names_page() -> str:
              "| `model.layers` | the blocks, a list |",
              "| `model.layers[i].self_attn` | block i's attention module (a hybrid's blocks that mix tokens "
              "otherwise have none: `model.availability(i)` says why) |",
-             "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT) |",
+             "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT; "
+             "a recurrent block without one has none: `model.availability(i)` says why) |",
              "| `model.embed_tokens` | the token embedding |",
              "| `model.ln_final` | the final norm |",
              "| `model.lm_head` | the head |",

@@ -27,6 +27,8 @@ SIZES = {
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
 }
+# a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
+RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -61,12 +63,17 @@ def _shrink(config: PretrainedConfig) -> None:
         config.mamba_n_heads = HEADS
         if isinstance(getattr(config, "mamba_d_head", None), int):
             config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
+    recurrent = not heads and getattr(config, "hidden_size", None)
+    if recurrent:
+        config.hidden_size = HEADS * HEAD_DIM
     keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
     if keys and values:  # linear attention's heads, keeping the value heads per key head
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
     for name, size in SIZES.items():
         if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
             setattr(config, name, size)
+    if recurrent:
+        _shrink_recurrent(config)
     for name in EXPERT_COUNTS:
         if getattr(config, name, None):
             setattr(config, name, min(getattr(config, name), 4))
@@ -81,6 +88,22 @@ def _shrink(config: PretrainedConfig) -> None:
         value = getattr(config, name, None)
         if isinstance(value, int) and vocab and value >= vocab:
             setattr(config, name, vocab - 1)
+
+
+def _shrink_recurrent(config: PretrainedConfig) -> None:
+    """The mixers of a recurrent model, after its stream: Mamba's inner width, Mamba-2's heads."""
+    for name, size in RECURRENT_SIZES.items():
+        if getattr(config, name, None):
+            setattr(config, name, size)
+    expand = getattr(config, "expand", None)
+    if expand and getattr(config, "intermediate_size", None):  # Mamba's inner width is expand * hidden_size
+        config.intermediate_size = expand * config.hidden_size
+    if expand and getattr(config, "num_heads", None) and getattr(config, "head_dim", None):
+        # Mamba-2's heads split expand * hidden_size between them, in groups: keep the heads per group
+        per_group = max(1, config.num_heads // max(1, getattr(config, "n_groups", 1)))
+        config.num_heads = HEADS
+        config.head_dim = expand * config.hidden_size // HEADS
+        config.n_groups = max(1, HEADS // per_group)
 
 
 @contextmanager

@@ -68,8 +68,10 @@ class Family:
     layers: str  # the ModuleList of blocks, from the *ForCausalLM root
     embed_tokens: str
     ln_final: str
-    attention: str  # the attention module, relative to a block
-    mlp: str | None  # the MLP module, relative to a block; None where its layers sit on the block
+    attention: str | None  # the attention module, relative to a block; None where no block has one (recurrent)
+    # the MLP module, relative to a block; None where its layers sit on the block (OPT), or where no block has an
+    # MLP (a block with no MLP has its MLP values unavailable: then ``layers[i].mlp`` is, with their reason)
+    mlp: str | None
     block: Callable[[PretrainedConfig, int], Block]
     tiny_config: Callable[[], PretrainedConfig]
     lm_head: str = "lm_head"
@@ -88,6 +90,9 @@ class Family:
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
     # what the model does to the normed stream before the head (MiniCPM3 divides it by logits_scaling)
     head_input_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+    # what the model does to the last block's output before the final norm, given the stream and the causal LM
+    # module (None: a stream of another dtype than the norm's weight is cast to it, as ZAYA's model does)
+    before_final_norm: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor] | None = None
     # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
     # the test config first with no changes; empty where every config of the family has the same blocks
     variants: tuple[tuple[str, dict], ...] = ()
@@ -104,7 +109,7 @@ class Family:
             self.layers: "layers",
             self.embed_tokens: "embed_tokens",
             self.ln_final: "ln_final",
-            self.attention: "self_attn",
+            **({self.attention: "self_attn"} if self.attention else {}),
             self.lm_head: "lm_head",
             **({self.mlp: "mlp"} if self.mlp else {}),
         }
