@@ -235,6 +235,9 @@ def test_every_family_has_a_case():
     tested = {CASES[case][0]().model_type for case in CASES}
     also = {t for types in SAME_BLOCKS.values() for t in types}  # tests/test_more_types.py
     also |= {model_type for model_type, *_ in HYBRIDS.values()} | {t for t, _ in IMAGE_TEXT}  # tests/test_hybrids.py
+    from .test_recurrent import CASES as RECURRENT
+
+    also |= {model_type for model_type, *_ in RECURRENT.values()}  # tests/test_recurrent.py
     assert tested | also == {t for f in FAMILIES for t in f.model_types} and not tested & also
 
 

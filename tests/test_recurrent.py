@@ -1,0 +1,200 @@
+"""Recurrent and state-space models (no block has attention) against plain hooks.
+
+Ground truth: module boundaries written from transformers' block code, captured with forward hooks on the
+unwrapped model; the identities are the blocks' own arithmetic (Mamba's block adds the mixer's output to the
+stream cast to float32 where ``residual_in_fp32``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer, ValueUnavailable
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.miniature import miniature_config
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, perturb, tiny_tokenizer
+from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+
+STREAM = ("layer_input", "attention_norm_output", "mixer_output", "layer_mid", "layer_output")
+
+
+def mamba_truth(blocks):
+    def at(i):
+        return {"layer_input": ("", "in"), "attention_norm_output": ("norm", "out"), "mixer_output": ("mixer", "out"),
+                "layer_mid": ("", "out"), "layer_output": ("", "out")}
+    return at
+
+
+def mamba_adds(values, block):
+    """The block's own add: the stream cast to float32 first where residual_in_fp32."""
+    x = values["layer_input"].to(torch.float32) if block.residual_in_fp32 else values["layer_input"]
+    return torch.equal(values["layer_output"], x + values["mixer_output"])
+
+
+# case -> (model type, truth, the block's own arithmetic, the mixer's module, what the block lacks)
+CASES = {
+    "mamba": ("mamba", mamba_truth, mamba_adds, "mixer", "no MLP: a Mamba block is one token mixer"),
+    "mamba2": ("mamba2", mamba_truth, mamba_adds, "mixer", "no MLP: a Mamba-2 block is one token mixer"),
+    "falcon_mamba": ("falcon_mamba", mamba_truth, mamba_adds, "mixer", "no MLP: a Falcon-Mamba block is one token"),
+}
+
+
+def wrap(hf):
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(hf.config.vocab_size))  # proven at load
+    hf.base_model_blocks = model.layers._module
+    return model
+
+
+def make(case, dtype=torch.float32, **changes):
+    model_type, truth, adds, *_ = CASES[case]
+    config = BY_MODEL_TYPE[model_type].tiny_config()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    hf = build_tiny(config, dtype)
+    model = wrap(hf)
+    return model, hf, truth(hf.base_model_blocks), adds
+
+
+def compare_with_hooks(model, hf, at, adds):
+    expected, expected_logits = hook_capture(hf, at, IDS)
+    saved, logits = read_all(model, IDS)
+    assert torch.equal(logits, expected_logits)
+    for i in range(model.num_layers):
+        assert {key.rpartition(".")[2] for key in model.order(i, aliases=True)} == set(at(i))
+        for name in at(i):
+            got, want = saved[(i, name)], expected[(i, name)]
+            assert got.dtype == want.dtype and torch.equal(got, want), f"layer {i} {name}"
+        assert adds({name: saved[(i, name)] for name in at(i)}, hf.base_model_blocks[i]), f"layer {i}"
+    assert all(result.exact for result in check_identity(model, IDS)), [str(r) for r in check_identity(model, IDS)]
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_values_equal_hooks_and_identity_holds_on_every_block(case, dtype):
+    model, hf, at, adds = make(case, dtype)
+    saved = compare_with_hooks(model, hf, at, adds)
+    # the project's readout of the last block's output is the model's own, dtypes included
+    with torch.no_grad(), model.trace(IDS):
+        logits = model.logits.save()
+    assert torch.equal(model.project_on_vocab(saved[(model.num_layers - 1, "layer_output")]), logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [c for c, (t, *_) in CASES.items() if t in ("mamba", "mamba2", "falcon_mamba")])
+def test_mamba_without_a_float32_residual(case, dtype):
+    model, hf, at, adds = make(case, dtype, residual_in_fp32=False)
+    saved = compare_with_hooks(model, hf, at, adds)
+    assert saved[(model.num_layers - 1, "layer_output")].dtype == dtype
+    assert "float32" not in model.block_spec(0).formula
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_order_and_availability(case):
+    model, hf, at, _ = make(case)
+    lacks = CASES[case][4]
+    for i in range(model.num_layers):
+        order, table = model.order(i, aliases=True), model.availability(i)
+        assert list(order.values()) == sorted(order.values())
+        assert order["attention_norm_output"] < order["mixer_output"] <= order["layer_mid"] <= order["layer_output"]
+        for key in ("self_attn.attention_output", "self_attn.attention_premix", "self_attn.queries",
+                    "self_attn.attention_probabilities"):
+            assert f"block {i} mixes tokens with" in table[key].reason and "not attention" in table[key].reason
+        if "mlp_output" not in at(i):
+            for key in ("mlp_norm_output", "mlp_input", "mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output"):
+                assert lacks in table[key].reason
+            assert not hasattr(model.layers[i], "mlp")
+            with pytest.raises(ValueUnavailable, match=f"'mlp' is unavailable .*block {i} has {lacks}"):
+                model.layers[i].mlp  # noqa: B018
+            with pytest.raises(ValueUnavailable, match=f"block {i} has {lacks}"):
+                with model.trace(IDS):
+                    model.layers[i].mlp_output.save()
+        assert not hasattr(model.layers[i], "self_attn")
+        with pytest.raises(ValueUnavailable, match=f"'self_attn' is unavailable .*block {i} mixes tokens with"):
+            model.layers[i].self_attn  # noqa: B018
+        with pytest.raises(ValueUnavailable, match=f"block {i} mixes tokens with"):
+            with model.trace(IDS):
+                model.head_outputs(i).save()
+    text = repr(model)
+    assert "every block, in forward order: " + ", ".join(model.order(0)) in text and "unavailable" in text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
+    model, hf, at, _ = make(case)
+    block, mixer = 1, CASES[case][3]
+    with torch.no_grad(), model.trace(IDS):
+        clean = model.logits.save()
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[block].mixer_output[:, -1] = 0  # in place
+        edited = model.logits.save()
+
+    def zero_last(t):
+        t = t.clone()
+        t[:, -1] = 0
+        return t
+
+    expected = run_with_hook(hf, hf.base_model_blocks[block].get_submodule(mixer), "out", zero_last)
+    assert torch.equal(edited, expected) and not torch.equal(edited, clean)
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[block].mixer_output = model.layers[block].mixer_output * 2  # assigned
+        model.layers[block + 1].layer_output = model.layers[block + 1].layer_output * 0.5
+        doubled = model.logits.save()
+    handle = register_edit(hf, hf.base_model_blocks[block].get_submodule(mixer), "out", lambda t: t * 2)
+    try:
+        expected = run_with_hook(hf, hf.base_model_blocks[block + 1], "out", lambda t: t * 0.5)
+    finally:
+        handle.remove()
+    assert torch.equal(doubled, expected)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_default_config_miniature_is_proven(case):
+    """The type's default config, shrunk by the miniature (the stream, the mixers' sizes), proven and equal to hooks."""
+    model_type, truth, adds, *_ = CASES[case]
+    config = CONFIG_MAPPING[model_type](num_hidden_layers=3)
+    mini = miniature_config(config)
+    assert mini.hidden_size < config.hidden_size
+    torch.manual_seed(0)
+    hf = perturb(AutoModelForCausalLM.from_config(mini)).eval()
+    assert sum(p.numel() for p in hf.parameters()) < 200_000
+    model = wrap(hf)
+    compare_with_hooks(model, hf, truth(hf.base_model_blocks), adds)
+
+
+def test_tools_on_a_recurrent_model():
+    from nnterp import logit_lens, run_with_cache, skip_layers
+
+    model, hf, at, _ = make("mamba", torch.bfloat16)
+    prompt = "the cat sat on the mat"
+    ids = model.tokenizer(prompt, return_tensors="pt").input_ids
+    probs = logit_lens(model, prompt)
+    outputs, logits = hook_capture(hf, at, ids)
+    with torch.no_grad():
+        for i in range(model.num_layers):  # the model's own readout: norm_f on the float32 stream, the head in bf16
+            stream = outputs[(i, "layer_output")][:, -1:]
+            readout = hf.lm_head(hf.backbone.norm_f(stream).to(torch.bfloat16)).float().softmax(-1)
+            assert torch.allclose(probs[0, i], readout[0, 0], atol=1e-6)
+    assert torch.allclose(probs[0, -1], logits[0, -1].softmax(-1), atol=1e-6)
+    _, cache = run_with_cache(model, IDS)
+    expected, _ = hook_capture(hf, at, IDS)
+    assert all(torch.equal(cache["mixer_output", i], expected[(i, "mixer_output")]) for i in range(model.num_layers))
+    for names in (["attention_output"], ["mlp_output"]):
+        with pytest.raises(ValueUnavailable, match="block 0"):
+            run_with_cache(model, IDS, names=names)
+    with pytest.raises(ValueUnavailable, match="no block of this model has attention"):
+        model.enable_attention_values()
+    with torch.no_grad(), model.trace(IDS):
+        skip_layers(model, 1)
+        skipped = model.logits.save()
+    handle = hf.base_model_blocks[1].register_forward_hook(lambda m, args, out: args[0])
+    try:
+        with torch.no_grad():
+            assert torch.equal(skipped, hf(input_ids=IDS).logits)
+    finally:
+        handle.remove()
