@@ -81,7 +81,12 @@ def shapes(family: Family) -> list[Shape]:
         config = full.get_text_config()
         for i in range(config.num_hidden_layers):
             structure = family.block(config, i)
-            block = dataclasses.replace(structure, values={**internal_locations(family, config), **structure.values})
+            values = {**internal_locations(family, config), **structure.values}
+            # a reason that names its block ("block 2 mixes tokens with ...") is read as of any block i, so that
+            # blocks that differ only there are one shape
+            values = {name: Unavailable(location.reason.replace(f"block {i} ", "block i "))
+                      if isinstance(location, Unavailable) else location for name, location in values.items()}
+            block = dataclasses.replace(structure, values=values)
             shape = next((s for s in found if repr(sorted(s.block.values.items())) == repr(sorted(block.values.items()))
                           and s.block.formula == block.formula), None)
             if shape is None:
