@@ -36,11 +36,28 @@ def mamba_adds(values, block):
     return torch.equal(values["layer_output"], x + values["mixer_output"])
 
 
+def rwkv_truth(blocks):
+    def at(i):
+        return {"layer_input": ("pre_ln", "out") if i == 0 else ("", "in"),  # block 0's adds start from pre_ln's output
+                "attention_norm_output": ("ln1", "out"), "mixer_output": ("attention", "out"), "layer_mid": ("ln2", "in"),
+                "mlp_norm_output": ("ln2", "out"), "mlp_input": ("feed_forward", "in"),
+                "mlp_activation": ("feed_forward.value", "in"),  # relu(key(x'))²: checked by the math below
+                "mlp_neurons": ("feed_forward.value", "in"), "mlp_output": ("feed_forward", "out"),
+                "layer_output": ("", "out")}
+    return at
+
+
+def sequential_adds(values, block):
+    mid = values["layer_input"] + values["mixer_output"]
+    return torch.equal(values["layer_mid"], mid) and torch.equal(values["layer_output"], mid + values["mlp_output"])
+
+
 # case -> (model type, truth, the block's own arithmetic, the mixer's module, what the block lacks)
 CASES = {
     "mamba": ("mamba", mamba_truth, mamba_adds, "mixer", "no MLP: a Mamba block is one token mixer"),
     "mamba2": ("mamba2", mamba_truth, mamba_adds, "mixer", "no MLP: a Mamba-2 block is one token mixer"),
     "falcon_mamba": ("falcon_mamba", mamba_truth, mamba_adds, "mixer", "no MLP: a Falcon-Mamba block is one token"),
+    "rwkv": ("rwkv", rwkv_truth, sequential_adds, "attention", None),
 }
 
 
@@ -105,7 +122,7 @@ def test_order_and_availability(case):
         for key in ("self_attn.attention_output", "self_attn.attention_premix", "self_attn.queries",
                     "self_attn.attention_probabilities"):
             assert f"block {i} mixes tokens with" in table[key].reason and "not attention" in table[key].reason
-        if "mlp_output" not in at(i):
+        if lacks:
             for key in ("mlp_norm_output", "mlp_input", "mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output"):
                 assert lacks in table[key].reason
             assert not hasattr(model.layers[i], "mlp")
@@ -168,7 +185,7 @@ def test_the_default_config_miniature_is_proven(case):
 
 
 def test_tools_on_a_recurrent_model():
-    from nnterp import logit_lens, run_with_cache, skip_layers
+    from nnterp import logit_lens, run_with_cache
 
     model, hf, at, _ = make("mamba", torch.bfloat16)
     prompt = "the cat sat on the mat"
@@ -189,12 +206,48 @@ def test_tools_on_a_recurrent_model():
             run_with_cache(model, IDS, names=names)
     with pytest.raises(ValueUnavailable, match="no block of this model has attention"):
         model.enable_attention_values()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_skipping_a_block_against_hooks(case):
+    from nnterp import skip_layers
+
+    model, hf, *_ = make(case)
     with torch.no_grad(), model.trace(IDS):
         skip_layers(model, 1)
         skipped = model.logits.save()
-    handle = hf.base_model_blocks[1].register_forward_hook(lambda m, args, out: args[0])
+
+    def identity(m, args, kwargs, out):  # the block hands on its input, in the tuple the model expects
+        return (args[0], kwargs.get("state"), None) if isinstance(out, tuple) else args[0]
+
+    handle = hf.base_model_blocks[1].register_forward_hook(identity, with_kwargs=True)
     try:
         with torch.no_grad():
             assert torch.equal(skipped, hf(input_ids=IDS).logits)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rwkv_halves_the_stream_between_blocks_and_its_activation_is_the_squared_relu(dtype):
+    """In eval mode RWKV halves the stream after every rescale_every-th block (outside the blocks); the channel
+    mixing's activation is relu(key(x'))², which the value projection sums."""
+    model, hf, at, _ = make("rwkv", dtype)
+    every = hf.config.rescale_every
+    captured, handles = {}, []
+    for i, block in enumerate(hf.base_model_blocks):
+        handles.append(block.feed_forward.key.register_forward_hook(
+            lambda m, a, o, i=i: captured.setdefault(i, o.clone())))
+    try:
+        saved, _ = read_all(model, IDS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    halved = 0
+    for i in range(model.num_layers):
+        assert torch.equal(saved[(i, "mlp_activation")], torch.square(torch.relu(captured[i])))
+        if i + 1 < model.num_layers:
+            y, x = saved[(i, "layer_output")], saved[(i + 1, "layer_input")]
+            halved += (i + 1) % every == 0
+            assert torch.equal(x, y / 2 if (i + 1) % every == 0 else y), f"layer {i}"
+    assert halved and model.num_layers % every == 0  # the test config halves between blocks and after the last

@@ -11,15 +11,28 @@ No block has attention: ``mixer_output`` is what the block's token mixer adds to
   after the first block; the final norm reads it as it is and the head reads the norm's output cast
   to the head's dtype; the logits are float32. The mixers run a pure-PyTorch scan where the
   ``mamba_ssm`` kernels are not installed (CPU).
+- RWKV: ``rwkv.blocks[i]`` is ``h = x + attention(ln1(x)); y = h + feed_forward(ln2(h))``. ``attention`` is
+  the time mixing, a linear recurrence over the tokens (``mixer_output``, not attention); ``feed_forward``
+  the channel mixing, the MLP: ``value(relu(key(x'))²)`` times ``sigmoid(receptance(x''))``, where ``x'`` and
+  ``x''`` mix each normed token with the one before, so ``mlp_activation`` is the squared ReLU, which is
+  what ``value`` sums (``mlp_neurons``). Block 0 norms the embeddings with ``pre_ln`` before its adds:
+  its ``layer_input`` is ``pre_ln``'s output, the stream the residual adds start from. In eval mode the
+  model halves the stream after every ``rescale_every``-th block (its weights scaled to match, once, on
+  the first forward): there ``layers[i + 1].layer_input`` is ``layers[i].layer_output / 2``, and a stream
+  read out after the last block is halved first where the model does so. The model ignores the
+  attention mask: in a padded batch the pad tokens enter the recurrence.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from transformers import FalconMambaConfig, Mamba2Config, MambaConfig
+from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, RwkvConfig
 
 from ..catalog import ATTENTION_VALUES
-from .base import Block, Family, SameAs, Unavailable, input, output
+from .base import Block, Family, SameAs, Unavailable, input, output, pre_norm_block
+from .hybrid import mixer_block
 
 NO_ATTENTION = Unavailable("no block of this model has attention: each mixes tokens with a recurrent mixer, whose "
                            "contribution is mixer_output")
@@ -79,3 +92,39 @@ MAMBA2 = _mamba("Mamba-2", "mamba2", lambda: Mamba2Config(
     **_SMALL, num_heads=8, head_dim=16, n_groups=2, chunk_size=16))
 FALCON_MAMBA = _mamba("Falcon-Mamba", "falcon_mamba", lambda: FalconMambaConfig(
     **_SMALL, time_step_rank=4))
+
+
+# RWKV: time mixing (a linear recurrence over the tokens, at `attention`) after ln1, channel mixing (the MLP,
+# `feed_forward`: value(relu(key(x'))²) gated by sigmoid(receptance(x'')), x' and x'' mixes of each token with the
+# one before) after ln2. Block 0 norms the embeddings first with pre_ln: the residual adds start from its output.
+def _rwkv_block(config, i):
+    base = pre_norm_block(
+        input_norm="ln1", attention="attention", o_proj="", post_norm="ln2", mlp="feed_forward", act="",
+        down_proj="feed_forward.value",
+        mlp_activation=SameAs("mlp_neurons"),  # relu(key(x'))², the value projection's input: no gate before it
+        **({"layer_input": output("pre_ln")} if i == 0 else {}),
+    )
+    block = mixer_block(base, i, "attention", "RWKV's time mixing, a linear recurrence")
+    if i == 0:
+        block = dataclasses.replace(block, formula=block.formula + "  (layer_input = pre_ln(embeddings) on block 0)")
+    return block
+
+
+def _rwkv_readout(hidden, model):
+    """In eval mode the model halves the stream after every ``rescale_every``-th block: after the last one too, where
+    the number of blocks is a multiple of it."""
+    every = model.config.rescale_every
+    if model.rwkv.layers_are_rescaled and every > 0 and model.config.num_hidden_layers % every == 0:
+        return hidden / 2
+    return hidden
+
+
+RWKV = Family(
+    name="RWKV", model_types=("rwkv",), layers="rwkv.blocks", embed_tokens="rwkv.embeddings", ln_final="rwkv.ln_out",
+    lm_head="head", attention=None, mlp="feed_forward", block=_rwkv_block, attention_internals=NO_ATTENTION,
+    before_final_norm=_rwkv_readout,
+    skip_output=lambda stream, block: (stream, block.inputs[1].get("state"), None),  # (hidden, state, attentions)
+    # blocks 1 and 3 are followed by a halving of the stream (rescale_every=2), block 3's before the final norm
+    tiny_config=lambda: RwkvConfig(hidden_size=64, attention_hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   vocab_size=128, context_length=64, rescale_every=2),
+)
