@@ -45,7 +45,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     **{t: _SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                              "pegasus", "plbart", "trocr", "whisper")},
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
-    "xlstm": ("recurrent", "x + mLSTM + FFN: a recurrent mixer, no attention"),
     "recurrent_gemma": ("new shape: per-layer mixer", "Griffin: recurrent temporal blocks between local-attention "
                                                       "blocks, at temporal_block"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),

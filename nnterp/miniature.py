@@ -71,7 +71,7 @@ def _shrink(config: PretrainedConfig) -> None:
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
     for name, size in SIZES.items():
         if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
-            setattr(config, name, size)
+            _set(config, name, size)  # (xLSTM's v_head_dim is derived from its sizes)
     if recurrent:
         _shrink_recurrent(config)
     for name in EXPERT_COUNTS:
@@ -98,6 +98,11 @@ def _shrink_recurrent(config: PretrainedConfig) -> None:
     expand = getattr(config, "expand", None)
     if expand and getattr(config, "intermediate_size", None):  # Mamba's inner width is expand * hidden_size
         config.intermediate_size = expand * config.hidden_size
+    qk, v = getattr(config, "qk_dim_factor", None), getattr(config, "v_dim_factor", None)
+    if qk and v:  # xLSTM: its state's cache rounds hidden_size * factor up to a multiple of 64, its layers do not
+        config.hidden_size = next(width for width in range(64, 64 * 65, 64)
+                                  if (width * qk) % 64 == 0 and (width * v) % 64 == 0)
+        config.embedding_dim, config.num_heads = config.hidden_size, min(config.num_heads, HEADS)
     if expand and getattr(config, "num_heads", None) and getattr(config, "head_dim", None):
         # Mamba-2's heads split expand * hidden_size between them, in groups: keep the heads per group
         per_group = max(1, config.num_heads // max(1, getattr(config, "n_groups", 1)))

@@ -21,6 +21,14 @@ No block has attention: ``mixer_output`` is what the block's token mixer adds to
   the first forward): there ``layers[i + 1].layer_input`` is ``layers[i].layer_output / 2``, and a stream
   read out after the last block is halved first where the model does so. The model ignores the
   attention mask: in a padded batch the pad tokens enter the recurrence.
+- xLSTM: ``backbone.blocks[i]`` is ``h = x + mlstm_layer(norm_mlstm(x)); y = h + ffn(norm_ffn(h))``: the
+  mLSTM layer (a matrix-memory recurrence) is the token mixer, ``ffn`` the gated MLP
+  ``proj_down(silu(proj_up_gate(x)) * proj_up(x))``. The final norm is ``backbone.out_norm``; the
+  logits are the head's in float32, soft-capped: ``cap * tanh(logits / cap)``, ``cap =
+  output_logit_soft_cap``. Its mLSTM runs the pure-PyTorch kernels where the ``xlstm`` package is not
+  installed; the recurrent state's cache is sized from ``hidden_size * qk_dim_factor`` (and
+  ``v_dim_factor``) rounded up to a multiple of 64, so the model runs where those products are
+  multiples of 64 (the default config, and its miniature).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, RwkvConfig
+from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, RwkvConfig, xLSTMConfig
 
 from ..catalog import ATTENTION_VALUES
 from .base import Block, Family, SameAs, Unavailable, input, output, pre_norm_block
@@ -127,4 +135,26 @@ RWKV = Family(
     # blocks 1 and 3 are followed by a halving of the stream (rescale_every=2), block 3's before the final norm
     tiny_config=lambda: RwkvConfig(hidden_size=64, attention_hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    vocab_size=128, context_length=64, rescale_every=2),
+)
+
+
+def _xlstm_block(config, i):
+    return mixer_block(pre_norm_block(
+        input_norm="norm_mlstm", attention="mlstm_layer", o_proj="", post_norm="norm_ffn", mlp="ffn",
+        act="ffn.act_fn", down_proj="ffn.proj_down"), i, "mlstm_layer", "an mLSTM layer, a matrix-memory recurrence")
+
+
+def _xlstm_logits(logits, config):
+    """The head's logits in float32, soft-capped as the model does."""
+    cap = config.output_logit_soft_cap
+    logits = logits.float()
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+XLSTM = Family(
+    name="xLSTM", model_types=("xlstm",), layers="backbone.blocks", embed_tokens="backbone.embeddings",
+    ln_final="backbone.out_norm", attention=None, mlp="ffn", block=_xlstm_block, attention_internals=NO_ATTENTION,
+    logits_transform=_xlstm_logits, skip_output=lambda stream, block: (stream, block.inputs[0][1]),  # (hidden, state)
+    # the default factors (qk 0.5, v 1.0): hidden_size 128 makes both widths multiples of 64, as the cache needs
+    tiny_config=lambda: xLSTMConfig(hidden_size=128, num_hidden_layers=3, num_heads=4, vocab_size=128, chunk_size=16),
 )
