@@ -49,7 +49,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                                       "blocks, at temporal_block"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "nemotron_h": ("new shape: topology", "one sublayer per block: a Mamba, attention, MLP or MoE mixer"),
     "falcon_h1": ("new shape: topology", "Mamba and attention side by side, scaled and summed, then an MLP"),
     "zamba": ("new shape: topology", "Mamba blocks, some with a shared transformer block fed the embeddings too"),
     "zamba2": ("new shape: topology", "Mamba blocks, some with shared transformer blocks and LoRA adapters"),

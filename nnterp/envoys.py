@@ -141,6 +141,11 @@ class MLPEnvoy(StandardEnvoy):
     mlp_output = StandardValue()
 
 
+class SublayerEnvoy(AttentionEnvoy, MLPEnvoy):
+    """A module that is the attention on some blocks and the MLP on others (Nemotron-H's ``mixer``): the values of
+    either, each available where the block's spec places it."""
+
+
 class BlockWithMLPEnvoy(BlockEnvoy, MLPEnvoy):
     """A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block. The envoy of a
     family with no MLP module too: where the block has no MLP (a recurrent block), ``mlp`` says why."""

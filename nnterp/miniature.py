@@ -20,7 +20,7 @@ HEAD_DIM = 8
 # size attribute -> the miniature's value (only where the config has the attribute set)
 SIZES = {
     "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
+    "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
     "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM,
     "o_lora_rank": 8, "index_head_dim": 8, "index_n_heads": 2, "router_hidden_size": 8, "rotary_dim": 4,
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
@@ -66,6 +66,11 @@ def _shrink(config: PretrainedConfig) -> None:
     recurrent = not heads and getattr(config, "hidden_size", None)
     if recurrent:
         config.hidden_size = HEADS * HEAD_DIM
+    if getattr(config, "mamba_num_heads", None) and getattr(config, "mamba_head_dim", None):  # Nemotron-H's Mamba-2
+        _shrink_mamba2_heads(config, "mamba_num_heads", "mamba_head_dim")
+        for name, size in (("ssm_state_size", 8), ("chunk_size", 16)):
+            if getattr(config, name, None):
+                setattr(config, name, size)
     keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
     if keys and values:  # linear attention's heads, keeping the value heads per key head
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
@@ -104,11 +109,15 @@ def _shrink_recurrent(config: PretrainedConfig) -> None:
                                   if (width * qk) % 64 == 0 and (width * v) % 64 == 0)
         config.embedding_dim, config.num_heads = config.hidden_size, min(config.num_heads, HEADS)
     if expand and getattr(config, "num_heads", None) and getattr(config, "head_dim", None):
-        # Mamba-2's heads split expand * hidden_size between them, in groups: keep the heads per group
-        per_group = max(1, config.num_heads // max(1, getattr(config, "n_groups", 1)))
-        config.num_heads = HEADS
-        config.head_dim = expand * config.hidden_size // HEADS
-        config.n_groups = max(1, HEADS // per_group)
+        _shrink_mamba2_heads(config, "num_heads", "head_dim")
+
+
+def _shrink_mamba2_heads(config: PretrainedConfig, heads: str, head_dim: str) -> None:
+    """Mamba-2's heads split expand * hidden_size between them, in n_groups groups: keep the heads per group."""
+    per_group = max(1, getattr(config, heads) // max(1, getattr(config, "n_groups", 1)))
+    setattr(config, heads, HEADS)
+    setattr(config, head_dim, config.expand * config.hidden_size // HEADS)
+    config.n_groups = max(1, HEADS // per_group)
 
 
 @contextmanager

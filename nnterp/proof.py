@@ -202,7 +202,8 @@ def _placement_problems(model, layer: int, values) -> list[str]:
             values["mlp_norm_output"], values["mlp_input"].reshape(values["mlp_norm_output"].shape)):
         problems.append(f"layer {layer}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
     module = model._module.get_submodule(model.block_path(layer))
-    attention = model.family.attention
+    # the attention's own modules are not experts (on a block that has attention: the path may hold an MLP elsewhere)
+    attention = model.family.attention if isinstance(block.resolve("attention_output"), At) else None
     names = [name for name, _ in (*module.named_modules(), *module.named_parameters())
              if not (attention and name.startswith(attention + "."))]
     has_experts = any("expert" in name or "router" in name for name in names)  # experts, or a router over them
@@ -226,8 +227,8 @@ def _attention_problems(layer: int, values) -> list[str]:
 
 def _suspects(block, values) -> str:
     """Which values a failed identity points at, from the attention half where it can be checked alone."""
-    x, a, mid = values["layer_input"], values["mixer_output"], values.get("layer_mid")
-    if mid is None or block.formula != SEQUENTIAL:
+    x, a, mid = values["layer_input"], values.get("mixer_output"), values.get("layer_mid")
+    if mid is None or a is None or block.formula != SEQUENTIAL:
         return ("one of 'layer_input', 'self_attn.attention_output' (or 'mixer_output'), 'mlp.mlp_output', "
                 "'layer_output' is misplaced")
     if torch.equal(mid, x + a):

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
-from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
+from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
@@ -164,7 +164,8 @@ class StandardizedTransformer(TransformersModel):
                 family.layers: LayersEnvoy,
                 f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
                 **({f"{family.layers}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
-                **({f"{family.layers}.*.{family.mlp}": MLPEnvoy} if family.mlp else {}),
+                **({f"{family.layers}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
+                   if family.mlp else {}),
             },
             **({"dispatch": False, **from_pretrained_kwargs} if lazy else {}),
         )

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nnterp import StandardizedTransformer, ValueUnavailable
-from nnterp.families import BY_MODEL_TYPE
+from nnterp.catalog import ATTENTION_INTERNALS, CATALOG
+from nnterp.families import BY_MODEL_TYPE, ROUTED
 from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
@@ -63,6 +64,31 @@ def sequential_adds(values, block):
     return torch.equal(values["layer_mid"], mid) and torch.equal(values["layer_output"], mid + values["mlp_output"])
 
 
+def nemotron_h_truth(blocks):
+    """By the module each block holds at ``mixer``: one sublayer per block."""
+    def at(i):
+        mixer = type(blocks[i].mixer).__name__
+        values = {"layer_input": ("", "in"), "layer_output": ("", "out")}
+        if mixer in ("NemotronHMLP", "NemotronHMoE"):  # no token mixer: the stream before the MLP's add is the input
+            values |= {"layer_mid": ("", "in"), "mlp_norm_output": ("norm", "out"), "mlp_input": ("mixer", "in"),
+                       "mlp_output": ("mixer", "out")}
+            if mixer == "NemotronHMLP":  # a dense MLP: its activation and what down_proj sums
+                values |= {"mlp_activation": ("mixer.act_fn", "out"), "mlp_neurons": ("mixer.down_proj", "in")}
+            return values
+        values |= {"attention_norm_output": ("norm", "out"), "mixer_output": ("mixer", "out"), "layer_mid": ("", "out")}
+        if mixer == "NemotronHAttention":
+            values |= {"attention_premix": ("mixer.o_proj", "in"), "attention_output": ("mixer", "out")}
+        return values
+    return at
+
+
+def one_sublayer_adds(values, block):
+    contribution = values["mixer_output"] if "mixer_output" in values else values["mlp_output"]
+    after = values["layer_output"] if "mixer_output" in values else values["layer_input"]
+    return torch.equal(values["layer_output"], values["layer_input"] + contribution) and torch.equal(
+        values["layer_mid"], after)
+
+
 # case -> (model type, truth, the block's own arithmetic, the mixer's module, what the block lacks)
 CASES = {
     "mamba": ("mamba", mamba_truth, mamba_adds, "mixer", "no MLP: a Mamba block is one token mixer"),
@@ -71,6 +97,7 @@ CASES = {
     "rwkv": ("rwkv", rwkv_truth, sequential_adds, "attention", None),
     "xlstm": ("xlstm", pre_norm_truth("norm_mlstm", "mlstm_layer", "norm_ffn", "ffn", "ffn.act_fn", "ffn.proj_down"),
               sequential_adds, "mlstm_layer", None),
+    "nemotron_h": ("nemotron_h", nemotron_h_truth, one_sublayer_adds, "mixer", "no MLP: a Nemotron-H block has one"),
 }
 
 
@@ -98,7 +125,7 @@ def compare_with_hooks(model, hf, at, adds):
         assert {key.rpartition(".")[2] for key in model.order(i, aliases=True)} == set(at(i))
         for name in at(i):
             got, want = saved[(i, name)], expected[(i, name)]
-            assert got.dtype == want.dtype and torch.equal(got, want), f"layer {i} {name}"
+            assert got.dtype == want.dtype and torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
         assert adds({name: saved[(i, name)] for name in at(i)}, hf.base_model_blocks[i]), f"layer {i}"
     assert all(result.exact for result in check_identity(model, IDS)), [str(r) for r in check_identity(model, IDS)]
     return saved
@@ -126,38 +153,47 @@ def test_mamba_without_a_float32_residual(case, dtype):
 
 @pytest.mark.parametrize("case", CASES)
 def test_order_and_availability(case):
+    """Each block lists the values its modules have (by the hooks' truth), in forward order; the others are
+    unavailable with a reason naming the block, and so are the sublayers it lacks."""
     model, hf, at, _ = make(case)
     lacks = CASES[case][4]
     for i in range(model.num_layers):
-        order, table = model.order(i, aliases=True), model.availability(i)
+        order, table, names = model.order(i, aliases=True), model.availability(i), set(at(i))
         assert list(order.values()) == sorted(order.values())
-        assert order["attention_norm_output"] < order["mixer_output"] <= order["layer_mid"] <= order["layer_output"]
-        for key in ("self_attn.attention_output", "self_attn.attention_premix", "self_attn.queries",
-                    "self_attn.attention_probabilities"):
-            assert f"block {i} mixes tokens with" in table[key].reason and "not attention" in table[key].reason
-        if lacks:
-            for key in ("mlp_norm_output", "mlp_input", "mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output"):
-                assert lacks in table[key].reason
-            assert not hasattr(model.layers[i], "mlp")
-            with pytest.raises(ValueUnavailable, match=f"'mlp' is unavailable .*block {i} has {lacks}"):
-                model.layers[i].mlp  # noqa: B018
-            with pytest.raises(ValueUnavailable, match=f"block {i} has {lacks}"):
+        assert {key.rpartition(".")[2] for key in order} == names
+        for value in CATALOG:
+            if value.name not in names and not ("attention_output" in names and value.name in ATTENTION_INTERNALS):
+                reason = table[value.key].reason  # (internals: off until turned on; a mixture: no single activation)
+                assert f"block {i} " in reason or reason == ROUTED.reason, (i, value.key)
+        if {"attention_norm_output", "mixer_output"} <= names:
+            assert order["attention_norm_output"] < order["mixer_output"] <= order["layer_mid"] <= order["layer_output"]
+        for sublayer, value in (("self_attn", "attention_output"), ("mlp", "mlp_output")):
+            if value in names:
+                assert hasattr(model.layers[i], sublayer)
+                continue
+            assert not hasattr(model.layers[i], sublayer)
+            with pytest.raises(ValueUnavailable, match=f"'{sublayer}' is unavailable .*block {i} "):
+                getattr(model.layers[i], sublayer)
+            with pytest.raises(ValueUnavailable, match=f"block {i} "):
                 with model.trace(IDS):
-                    model.layers[i].mlp_output.save()
-        assert not hasattr(model.layers[i], "self_attn")
-        with pytest.raises(ValueUnavailable, match=f"'self_attn' is unavailable .*block {i} mixes tokens with"):
-            model.layers[i].self_attn  # noqa: B018
-        with pytest.raises(ValueUnavailable, match=f"block {i} mixes tokens with"):
-            with model.trace(IDS):
-                model.head_outputs(i).save()
+                    model.read_value(i, value).save()
+        if "mlp_output" not in names and lacks:
+            assert lacks in table["mlp.mlp_output"].reason and lacks in table["mlp_norm_output"].reason
+        if "attention_output" not in names:
+            assert "not attention" in table["self_attn.attention_output"].reason or "mixes no tokens" in table[
+                "self_attn.attention_output"].reason
+            with pytest.raises(ValueUnavailable, match=f"block {i} "):
+                with model.trace(IDS):
+                    model.head_outputs(i).save()
     text = repr(model)
-    assert "every block, in forward order: " + ", ".join(model.order(0)) in text and "unavailable" in text
+    assert "in forward order: " + ", ".join(model.order(0)) in text and "unavailable" in text
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
     model, hf, at, _ = make(case)
-    block, mixer = 1, CASES[case][3]
+    mixer = CASES[case][3]
+    block = next(i for i in range(model.num_layers - 1) if "mixer_output" in at(i))
     with torch.no_grad(), model.trace(IDS):
         clean = model.logits.save()
     with torch.no_grad(), model.trace(IDS):
@@ -266,3 +302,35 @@ def test_rwkv_halves_the_stream_between_blocks_and_its_activation_is_the_squared
             halved += (i + 1) % every == 0
             assert torch.equal(x, y / 2 if (i + 1) % every == 0 else y), f"layer {i}"
     assert halved and model.num_layers % every == 0  # the test config halves between blocks and after the last
+
+
+def test_nemotron_h_sublayers_follow_the_block():
+    """``self_attn`` is the mixer of an attention block, ``mlp`` that of an MLP block; edits of either reach the
+    logits as the same edit by a plain hook does; the attention's internals are proven on its attention block."""
+    model, hf, at, _ = make("nemotron_h")
+    kinds = [type(block.mixer).__name__ for block in hf.base_model_blocks]
+    attention, dense = kinds.index("NemotronHAttention"), kinds.index("NemotronHMLP")
+    assert model.layers[attention].self_attn._module is hf.base_model_blocks[attention].mixer
+    assert model.layers[dense].mlp._module is hf.base_model_blocks[dense].mixer
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[attention].self_attn.attention_output = model.layers[attention].self_attn.attention_output * 2
+        model.layers[dense].mlp.mlp_activation[:, -1] = 0
+        edited = model.logits.save()
+
+    def zero_last(t):
+        t = t.clone()
+        t[:, -1] = 0
+        return t
+
+    handle = register_edit(hf, hf.base_model_blocks[attention].mixer, "out", lambda t: t * 2)
+    try:
+        expected = run_with_hook(hf, hf.base_model_blocks[dense].mixer.act_fn, "out", zero_last)
+    finally:
+        handle.remove()
+    assert torch.equal(edited, expected)
+    model.enable_attention_values()  # proven on the miniature, the premix check included
+    with torch.no_grad(), model.trace(IDS):
+        probabilities = model.layers[attention].self_attn.attention_probabilities.save()
+    assert probabilities.shape == (2, model.num_heads, IDS.shape[1], IDS.shape[1])
+    assert "mixes tokens with a Mamba-2" in model.availability(kinds.index("NemotronHMamba2Mixer"))[
+        "self_attn.attention_probabilities"].reason

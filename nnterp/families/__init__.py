@@ -53,7 +53,7 @@ from .mpt import MPT
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
-from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, RWKV, XLSTM
+from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, NEMOTRON_H, RWKV, XLSTM
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
 
@@ -67,7 +67,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
              GRANITE_MOE_HYBRID)  # hybrids: attention on some blocks, another token mixer on the others
-FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM)  # recurrent: no block has attention
+FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H)  # recurrent: no block has attention
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {

@@ -70,7 +70,9 @@ class Family:
     ln_final: str
     attention: str | None  # the attention module, relative to a block; None where no block has one (recurrent)
     # the MLP module, relative to a block; None where its layers sit on the block (OPT), or where no block has an
-    # MLP (a block with no MLP has its MLP values unavailable: then ``layers[i].mlp`` is, with their reason)
+    # MLP (a block with no MLP has its MLP values unavailable: then ``layers[i].mlp`` is, with their reason).
+    # ``attention`` and ``mlp`` name the same module where it is the attention on some blocks and the MLP on others
+    # (Nemotron-H's ``mixer``): ``sublayer_classes`` then says which by the module's class
     mlp: str | None
     block: Callable[[PretrainedConfig, int], Block]
     tiny_config: Callable[[], PretrainedConfig]
@@ -96,22 +98,27 @@ class Family:
     # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
     # the test config first with no changes; empty where every config of the family has the same blocks
     variants: tuple[tuple[str, dict], ...] = ()
+    # {module class: "self_attn" or "mlp"} (a function giving it, imported when asked): where one native name holds
+    # a different sublayer from block to block, the standard name binds by the class of the module a block holds
+    sublayer_classes: Callable[[], dict[type, str]] | None = None
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""
         spec = self.attention_internals
         return spec if isinstance(spec, (EagerAttention, Unavailable)) else spec(config)
 
-    def rename(self) -> dict[str, str | list[str]]:
+    def rename(self) -> dict[str | type, str | list[str]]:
         """nnsight aliases that give every family the same module names (``model.layers`` too: the backbone
         is ``model`` on every family, and its blocks ``model.layers``)."""
-        names: dict[str, str | list[str]] = {
+        shared = self.attention == self.mlp  # one native name, a different sublayer per block: bound by class
+        names: dict[str | type, str | list[str]] = {
             self.layers: "layers",
             self.embed_tokens: "embed_tokens",
             self.ln_final: "ln_final",
-            **({self.attention: "self_attn"} if self.attention else {}),
+            **({self.attention: "self_attn"} if self.attention and not shared else {}),
             self.lm_head: "lm_head",
-            **({self.mlp: "mlp"} if self.mlp else {}),
+            **({self.mlp: "mlp"} if self.mlp and not shared else {}),
+            **(self.sublayer_classes() if self.sublayer_classes else {}),
         }
         backbone, _, last = self.layers.rpartition(".")
         top = backbone.partition(".")[0]

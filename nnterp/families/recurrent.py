@@ -29,6 +29,14 @@ No block has attention: ``mixer_output`` is what the block's token mixer adds to
   installed; the recurrent state's cache is sized from ``hidden_size * qk_dim_factor`` (and
   ``v_dim_factor``) rounded up to a multiple of 64, so the model runs where those products are
   multiples of 64 (the default config, and its miniature).
+- Nemotron-H: each block of ``model.layers`` is one sublayer, ``x + mixer(norm(x))``, whose ``mixer`` is,
+  by ``layers_block_type``, a Mamba-2 mixer (``linear_attention``: ``mixer_output``), an attention
+  (``full_attention``: the attention's values), an MLP (``mlp``: ``up_proj``, squared ReLU, ``down_proj``)
+  or a routed mixture of experts with shared experts (``moe``). A block has the values of its sublayer
+  alone: on a token-mixing block ``layer_mid`` is ``layer_output`` and the MLP's values are unavailable;
+  on an MLP block ``mlp_norm_output`` is the norm's output, ``layer_mid`` (the stream before the MLP's add)
+  is ``layer_input``, and the token mixer's values are unavailable. ``layers[i].self_attn`` is the mixer
+  of an attention block, ``layers[i].mlp`` that of an MLP block. The logits are the head's in float32.
 """
 
 from __future__ import annotations
@@ -36,10 +44,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, RwkvConfig, xLSTMConfig
+from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, NemotronHConfig, RwkvConfig, xLSTMConfig
 
 from ..catalog import ATTENTION_VALUES
-from .base import Block, Family, SameAs, Unavailable, input, output, pre_norm_block
+from .base import ROUTED, Block, Family, SameAs, Unavailable, input, output, pre_norm_block
 from .hybrid import mixer_block
 
 NO_ATTENTION = Unavailable("no block of this model has attention: each mixes tokens with a recurrent mixer, whose "
@@ -157,4 +165,52 @@ XLSTM = Family(
     logits_transform=_xlstm_logits, skip_output=lambda stream, block: (stream, block.inputs[0][1]),  # (hidden, state)
     # the default factors (qk 0.5, v 1.0): hidden_size 128 makes both widths multiples of 64, as the cache needs
     tiny_config=lambda: xLSTMConfig(hidden_size=128, num_hidden_layers=3, num_heads=4, vocab_size=128, chunk_size=16),
+)
+
+
+def _nemotron_h_block(config, i):
+    kind = config.layers_block_type[i]
+    sublayer = {"linear_attention": "a Mamba-2 mixer", "full_attention": "an attention", "mlp": "an MLP",
+                "moe": "a routed mixture of experts"}[kind]
+    alone = f"a Nemotron-H block has one sublayer, here {sublayer}"
+    stream = {"layer_input": input("", arg=0), "layer_output": output("")}
+    if kind in ("mlp", "moe"):
+        no_mixer = Unavailable(f"block {i} mixes no tokens: {alone}")
+        routed = kind == "moe"
+        return Block(
+            values={**stream, **dict.fromkeys(("attention_norm_output", "mixer_output", *ATTENTION_VALUES), no_mixer),
+                    "layer_mid": SameAs("layer_input"),  # no token mixer's add before the MLP's
+                    "mlp_norm_output": output("norm"), "mlp_input": input("mixer"),
+                    "mlp_activation": ROUTED if routed else output("mixer.act_fn"),
+                    "mlp_neurons": ROUTED if routed else input("mixer.down_proj"), "mlp_output": output("mixer")},
+            formula="layer_output = layer_input + mlp_output",
+            combine=lambda t, _: t["layer_input"] + t["mlp_output"],
+        )
+    no_mlp = Unavailable(f"block {i} has no MLP: {alone}")
+    values = {**stream, "attention_norm_output": output("norm"), "layer_mid": SameAs("layer_output"),
+              **dict.fromkeys(MLP_VALUES, no_mlp)}
+    if kind == "full_attention":
+        values |= {"attention_premix": input("mixer.o_proj", heads=True), "attention_output": output("mixer", index=0)}
+        return Block(values=values, formula="layer_output = layer_input + attention_output",
+                     combine=lambda t, _: t["layer_input"] + t["attention_output"])
+    values |= {"mixer_output": output("mixer"), **not_attention(i, "a Mamba-2 mixer")}
+    return Block(values=values, formula="layer_output = layer_input + mixer_output",
+                 combine=lambda t, _: t["layer_input"] + t["mixer_output"])
+
+
+def _nemotron_h_sublayers():
+    from transformers.models.nemotron_h import modeling_nemotron_h as modeling
+
+    return {modeling.NemotronHAttention: "self_attn", modeling.NemotronHMLP: "mlp", modeling.NemotronHMoE: "mlp"}
+
+
+NEMOTRON_H = Family(
+    name="Nemotron-H", model_types=("nemotron_h",), layers="model.layers", embed_tokens="model.embeddings",
+    ln_final="model.norm_f", attention="mixer", mlp="mixer", sublayer_classes=_nemotron_h_sublayers,
+    block=_nemotron_h_block, logits_transform=_float_logits,
+    tiny_config=lambda: NemotronHConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+        intermediate_size=128, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32),
 )
