@@ -97,9 +97,21 @@ def shapes(family: Family) -> list[Shape]:
     return found
 
 
+def _by_class(family: Family, alias: str) -> str:
+    """Where the module at one native name is the attention on some blocks and the MLP on others: which classes."""
+    classes = [cls.__name__ for cls, name in family.sublayer_classes().items() if name == alias]
+    return f" where the block holds {' or '.join(f'`{name}`' for name in classes)}"
+
+
+def _attention_module(family: Family) -> str:
+    if not family.attention:
+        return "none: no block has attention"
+    return f"`{family.attention}`" + (_by_class(family, "self_attn") if family.sublayer_classes else "")
+
+
 def _mlp_module(family: Family) -> str:
     if family.mlp:
-        return f"`{family.mlp}`"
+        return f"`{family.mlp}`" + (_by_class(family, "mlp") if family.sublayer_classes else "")
     if all(isinstance(shape.block.resolve("mlp_output"), Unavailable) for shape in shapes(family)):
         return "none: no block has an MLP"
     return "the block itself (no MLP module)"
@@ -113,7 +125,7 @@ def family_page(family: Family) -> str:
              "## Modules", "", "| standard name | module |", "|---|---|",
              f"| `layers` | `{family.layers}` |", f"| `embed_tokens` | `{family.embed_tokens}` |",
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
-             f"| `layers[i].self_attn` | {f'`{family.attention}`' if family.attention else 'none: no block has attention'} |",
+             f"| `layers[i].self_attn` | {_attention_module(family)} |",
              f"| `layers[i].mlp` | {_mlp_module(family)} |", ""]
     if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "

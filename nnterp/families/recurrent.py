@@ -1,8 +1,10 @@
-"""Recurrent and state-space models: blocks whose token mixer is not attention, on every layer.
+"""Recurrent and state-space models, whose blocks mix tokens with something else than attention, and blocks
+of one sublayer.
 
-No block has attention: ``mixer_output`` is what the block's token mixer adds to the stream,
+On a block without attention ``mixer_output`` is what the block's token mixer adds to the stream,
 ``attention_norm_output`` the normed stream it reads, and the attention's values (and
-``layers[i].self_attn``) are unavailable with the reason.
+``layers[i].self_attn``) are unavailable with the reason; on a block without an MLP so are the MLP's
+values (and ``layers[i].mlp``).
 
 - Mamba, Mamba-2, Falcon-Mamba: ``backbone.layers[i]`` is ``x + mixer(norm(x))``, one token mixer and
   its residual add, no MLP (the MLP's values and ``layers[i].mlp`` are unavailable); ``layer_mid``, the
