@@ -20,12 +20,13 @@ HEAD_DIM = 8
 # size attribute -> the miniature's value (only where the config has the attribute set)
 SIZES = {
     "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
+    "shared_expert_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
     "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM,
     "o_lora_rank": 8, "index_head_dim": 8, "index_n_heads": 2, "router_hidden_size": 8, "rotary_dim": 4,
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
+    "moe_shared_expert_intermediate_size": 32,  # Nemotron-H's shared experts
 }
 # a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
 RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
