@@ -234,7 +234,7 @@ def test_the_default_config_miniature_is_proven(case):
 
 
 def test_tools_on_a_recurrent_model():
-    from nnterp import logit_lens, run_with_cache
+    from nnterp import activation_patching, logit_lens, run_with_cache
 
     model, hf, at, _ = make("mamba", torch.bfloat16)
     prompt = "the cat sat on the mat"
@@ -255,6 +255,22 @@ def test_tools_on_a_recurrent_model():
             run_with_cache(model, IDS, names=names)
     with pytest.raises(ValueUnavailable, match="no block of this model has attention"):
         model.enable_attention_values()
+    with pytest.raises(ValueUnavailable, match="'self_attn.attention_output' is unavailable .*block 0 mixes tokens"):
+        activation_patching(model, "the cat sat", "the dog sat", lambda logits: logits[:, -1, 3], value="attention_output",
+                            progress=False)
+    effects = activation_patching(model, "the cat sat", "the dog sat", lambda logits: logits[:, -1, 3],
+                                  value="mixer_output", layers=[1], positions=[1], progress=False)
+    clean = model.tokenizer("the cat sat", return_tensors="pt").input_ids
+    source, _ = hook_capture(hf, at, clean)
+
+    def patch(t):
+        t = t.clone()
+        t[:, 1] = source[(1, "mixer_output")][:, 1]
+        return t
+
+    patched = run_with_hook(hf, hf.base_model_blocks[1].mixer, "out", patch,
+                            ids=model.tokenizer("the dog sat", return_tensors="pt").input_ids)
+    assert torch.equal(effects[0, 0], patched[0, -1, 3])
 
 
 @pytest.mark.parametrize("case", CASES)
