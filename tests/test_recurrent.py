@@ -350,3 +350,13 @@ def test_nemotron_h_sublayers_follow_the_block():
     assert probabilities.shape == (2, model.num_heads, IDS.shape[1], IDS.shape[1])
     assert "mixes tokens with a Mamba-2" in model.availability(kinds.index("NemotronHMamba2Mixer"))[
         "self_attn.attention_probabilities"].reason
+
+
+def test_nemotron_h_block_types_the_spec_does_not_place_are_refused():
+    from nnterp.errors import UnsupportedConfig
+    from nnterp.families import family_of
+
+    config = BY_MODEL_TYPE["nemotron_h"].tiny_config()
+    config.layers_block_type = [*config.layers_block_type[:-1], "sliding_attention"]
+    with pytest.raises(UnsupportedConfig, match="sliding_attention"):
+        family_of(config)

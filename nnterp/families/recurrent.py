@@ -18,11 +18,12 @@ values (and ``layers[i].mlp``).
   the channel mixing, the MLP: ``value(relu(key(x'))²)`` times ``sigmoid(receptance(x''))``, where ``x'`` and
   ``x''`` mix each normed token with the one before, so ``mlp_activation`` is the squared ReLU, which is
   what ``value`` sums (``mlp_neurons``). Block 0 norms the embeddings with ``pre_ln`` before its adds:
-  its ``layer_input`` is ``pre_ln``'s output, the stream the residual adds start from. In eval mode the
-  model halves the stream after every ``rescale_every``-th block (its weights scaled to match, once, on
-  the first forward): there ``layers[i + 1].layer_input`` is ``layers[i].layer_output / 2``, and a stream
-  read out after the last block is halved first where the model does so. The model ignores the
-  attention mask: in a padded batch the pad tokens enter the recurrence.
+  its ``layer_input`` is ``pre_ln``'s output, the stream the residual adds start from (which exists only
+  while block 0 runs: skipping block 0 takes the stream to hand on, ``skip_layers(model, 0, stream=...)``).
+  In eval mode the model halves the stream after every ``rescale_every``-th block (its weights scaled to
+  match, once, on the first forward): there ``layers[i + 1].layer_input`` is ``layers[i].layer_output / 2``,
+  and a stream read out after the last block is halved first where the model does so. The model ignores
+  the attention mask: in a padded batch the pad tokens enter the recurrence.
 - xLSTM: ``backbone.blocks[i]`` is ``h = x + mlstm_layer(norm_mlstm(x)); y = h + ffn(norm_ffn(h))``: the
   mLSTM layer (a matrix-memory recurrence) is the token mixer, ``ffn`` the gated MLP
   ``proj_down(silu(proj_up_gate(x)) * proj_up(x))``. The final norm is ``backbone.out_norm``; the
@@ -49,6 +50,7 @@ import torch
 from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, NemotronHConfig, RwkvConfig, xLSTMConfig
 
 from ..catalog import ATTENTION_VALUES
+from ..errors import UnsupportedConfig
 from .base import ROUTED, Block, Family, SameAs, Unavailable, input, output, pre_norm_block
 from .hybrid import mixer_block
 
@@ -170,10 +172,20 @@ XLSTM = Family(
 )
 
 
+_NEMOTRON_H_SUBLAYERS = {"linear_attention": "a Mamba-2 mixer", "full_attention": "an attention", "mlp": "an MLP",
+                         "moe": "a routed mixture of experts"}
+
+
+def _check_nemotron_h(config):
+    unknown = sorted(set(config.layers_block_type) - set(_NEMOTRON_H_SUBLAYERS))
+    if unknown:
+        raise UnsupportedConfig(f"Nemotron-H blocks of type {', '.join(unknown)} are not placed by the family spec "
+                                f"(it places {', '.join(_NEMOTRON_H_SUBLAYERS)}).")
+
+
 def _nemotron_h_block(config, i):
     kind = config.layers_block_type[i]
-    sublayer = {"linear_attention": "a Mamba-2 mixer", "full_attention": "an attention", "mlp": "an MLP",
-                "moe": "a routed mixture of experts"}[kind]
+    sublayer = _NEMOTRON_H_SUBLAYERS[kind]
     alone = f"a Nemotron-H block has one sublayer, here {sublayer}"
     stream = {"layer_input": input("", arg=0), "layer_output": output("")}
     if kind in ("mlp", "moe"):
@@ -209,7 +221,7 @@ def _nemotron_h_sublayers():
 NEMOTRON_H = Family(
     name="Nemotron-H", model_types=("nemotron_h",), layers="model.layers", embed_tokens="model.embeddings",
     ln_final="model.norm_f", attention="mixer", mlp="mixer", sublayer_classes=_nemotron_h_sublayers,
-    block=_nemotron_h_block, logits_transform=_float_logits,
+    block=_nemotron_h_block, logits_transform=_float_logits, check_config=_check_nemotron_h,
     tiny_config=lambda: NemotronHConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
         intermediate_size=128, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
