@@ -26,6 +26,10 @@ SIZES = {
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
+    # widened streams' mixing rank, per-layer n-gram embeddings and the token selector's heads (Qwen4-Exp)
+    "hc_lowrank": 8, "ngram_vocab_size_base": 1000, "ple_embed_dim": 16, "indexer_head_dim": HEAD_DIM,
+    "indexer_n_heads": 2,
+    "lru_width": HEADS * HEAD_DIM,  # Griffin's recurrence width, split in blocks between the heads
     "moe_shared_expert_intermediate_size": 32,  # Nemotron-H's shared experts
 }
 # a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
@@ -35,9 +39,10 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 
 
 def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` (the full config, text and vision parts) with every size shrunk."""
+    """A copy of ``config`` (the full config: text, vision and audio parts) with every size shrunk."""
     mini = copy.deepcopy(config)
-    for part in {id(c): c for c in (mini, mini.get_text_config(), getattr(mini, "vision_config", None)) if c}.values():
+    parts = (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None))
+    for part in {id(c): c for c in parts if c}.values():
         _shrink(part)
     return mini
 
@@ -64,6 +69,8 @@ def _shrink(config: PretrainedConfig) -> None:
         config.mamba_n_heads = HEADS
         if isinstance(getattr(config, "mamba_d_head", None), int):
             config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
+        if getattr(config, "mamba_d_ssm", None):  # Falcon-H1 gives the Mamba width itself: heads times their size
+            config.mamba_d_ssm = HEADS * config.mamba_d_head
     recurrent = not heads and getattr(config, "hidden_size", None)
     if recurrent:
         config.hidden_size = HEADS * HEAD_DIM

@@ -97,6 +97,20 @@ def _architecture_of(config) -> type[PreTrainedModel]:
         ) from None
 
 
+def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwargs: dict) -> PreTrainedModel:
+    """The checkpoint's model, refused when the checkpoint left weights of its blocks out: those would be random,
+    and every value read from them noise (transformers only logs it)."""
+    model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
+    missing = [key for key in info.get("missing_keys", ()) if key.startswith(family.layers + ".")]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
+            f"(e.g. {', '.join(sorted(missing)[:3])}), so they would be random. The checkpoint may keep them under "
+            "other names: pass key_mapping={regex: replacement} to rename them as the model names them."
+        )
+    return model
+
+
 class StandardizedTransformer(TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
@@ -124,8 +138,11 @@ class StandardizedTransformer(TransformersModel):
         lazy = isinstance(model, (str, os.PathLike)) and not dispatch
         if isinstance(model, (str, os.PathLike)):
             config, architecture, tokenizer, validated = _prepare(model, tokenizer, validate, from_pretrained_kwargs)
+            keys = family_of(config, architecture.__name__).checkpoint_keys
+            if keys:  # the user's own key_mapping, if any, wins
+                from_pretrained_kwargs = {"key_mapping": dict(keys), **from_pretrained_kwargs}
             if not lazy:
-                model = architecture.from_pretrained(model, **from_pretrained_kwargs)
+                model = _load_whole(architecture, model, family_of(config, architecture.__name__), from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
@@ -494,10 +511,16 @@ class StandardizedTransformer(TransformersModel):
                   for key, location in located if not location.op}
         rank = {key: BY_NAME[key.rpartition(".")[2]].rank for key, _ in located if not key.startswith("extra.")}
         block_input = (self._event_index(self.block_path(layer), "input", "layer_input"), 0)
+        # and after its module is called (Falcon-H1 runs its Mamba between the norm and the attention). Operations
+        # of equal rank at different places (Falcon-H1's scaled attention output, then the sum that is its mixer's
+        # output) follow the catalog's order; values read at one operation share its event.
+        places: dict[tuple[str, str, str], int] = {}
         for key, location in located:
             if location.op:
+                called = self._forward_events.get((self.block_path(layer, location.path), "input"), -1)
                 before = [events[k] for k in events if k in rank and rank[k] < rank[key]]
-                events[key] = (max(before, default=block_input)[0], 1 + rank[key])
+                place = places.setdefault((location.path, location.op, location.side), len(places))
+                events[key] = (max(max(before, default=block_input)[0], called), 1 + rank[key], place)
         return sorted(((events[key], key, location) for key, location in located), key=lambda item: item[0])
 
     def _event_index(self, name: str, side: str, key: str) -> int:

@@ -32,7 +32,8 @@ from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
-from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX, MINICPM3
+from .granite import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, HYPERCLOVAX, MINICPM3
+from .hy_v4 import HY_V4
 from .hybrid import (
     BAMBA,
     GRANITE_MOE_HYBRID,
@@ -50,12 +51,15 @@ from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
+from .multimodal import MULTIMODAL
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
+from .qwen4_exp import QWEN4_EXP
 from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, NEMOTRON_H, RWKV, XLSTM
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
+from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
@@ -63,11 +67,13 @@ FAMILIES: tuple[Family, ...] = (
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
     STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
     GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE, BEAM,
-    MINICPM3,
+    MINICPM3, HY_V4,
 )
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
-             GRANITE_MOE_HYBRID)  # hybrids: attention on some blocks, another token mixer on the others
-FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H)  # recurrent: no block has attention
+             GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
+FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
+FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/test_topology.py)
+FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H)  # recurrent: no block has attention (tests/test_recurrent.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {

@@ -98,6 +98,10 @@ class Family:
     # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
     # the test config first with no changes; empty where every config of the family has the same blocks
     variants: tuple[tuple[str, dict], ...] = ()
+    # where the causal LM's weights are in the checkpoints of the type, when transformers does not rename them for it
+    # (an image-text checkpoint keeps its text model under a prefix): (pattern, replacement) pairs that loading by
+    # name passes as ``key_mapping``
+    checkpoint_keys: tuple[tuple[str, str], ...] = ()
     # {module class: "self_attn" or "mlp"} (a function giving it, imported when asked): where one native name holds
     # a different sublayer from block to block, the standard name binds by the class of the module a block holds
     sublayer_classes: Callable[[], dict[type, str]] | None = None
