@@ -43,7 +43,7 @@ def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
     mini = copy.deepcopy(config)
     parts = (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None))
     for part in {id(c): c for c in parts if c}.values():
-        _shrink(part)
+        _shrink(part, language_model=part is mini.get_text_config())
     return mini
 
 
@@ -54,7 +54,7 @@ def _set(config: PretrainedConfig, name: str, value) -> None:
         pass
 
 
-def _shrink(config: PretrainedConfig) -> None:
+def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     heads = getattr(config, "num_attention_heads", None)
     if heads:
         config.num_attention_heads = HEADS
@@ -71,7 +71,7 @@ def _shrink(config: PretrainedConfig) -> None:
             config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
         if getattr(config, "mamba_d_ssm", None):  # Falcon-H1 gives the Mamba width itself: heads times their size
             config.mamba_d_ssm = HEADS * config.mamba_d_head
-    recurrent = not heads and getattr(config, "hidden_size", None)
+    recurrent = language_model and not heads and getattr(config, "hidden_size", None)  # a language model without attention
     if recurrent:
         config.hidden_size = HEADS * HEAD_DIM
     if getattr(config, "mamba_num_heads", None) and getattr(config, "mamba_head_dim", None):  # Nemotron-H's Mamba-2
