@@ -1,8 +1,10 @@
-"""Recurrent and state-space models (no block has attention) against plain hooks.
+"""Recurrent and state-space models (Mamba, Mamba-2, Falcon-Mamba, RWKV, xLSTM) and Nemotron-H's one-sublayer
+blocks against plain hooks.
 
 Ground truth: module boundaries written from transformers' block code, captured with forward hooks on the
-unwrapped model; the identities are the blocks' own arithmetic (Mamba's block adds the mixer's output to the
-stream cast to float32 where ``residual_in_fp32``).
+unwrapped model; which sublayer a Nemotron-H block holds is read from its module's class; the identities are the
+blocks' own arithmetic (Mamba's block adds the mixer's output to the stream cast to float32 where
+``residual_in_fp32``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
 from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
-
-STREAM = ("layer_input", "attention_norm_output", "mixer_output", "layer_mid", "layer_output")
 
 
 def mamba_truth(blocks):
