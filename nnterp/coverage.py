@@ -45,14 +45,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     **{t: _SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                              "pegasus", "plbart", "trocr", "whisper")},
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
-    "mamba": ("recurrent", "x + mixer(norm(x)): a selective state-space mixer, no attention"),
-    "mamba2": ("recurrent", "x + mixer(norm(x)): a Mamba-2 mixer, no attention"),
-    "falcon_mamba": ("recurrent", "Mamba blocks, no attention"),
-    "rwkv": ("recurrent", "x + time_mix + channel_mix: recurrent mixers, no attention"),
-    "xlstm": ("recurrent", "x + mLSTM + FFN: a recurrent mixer, no attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "nemotron_h": ("new shape: topology", "one sublayer per block: a Mamba, attention, MLP or MoE mixer"),
     "zamba": ("new shape: topology", "every block adds only a Mamba's output, x + mamba(norm(x + t)), and has no MLP; "
                                      "on some blocks t is a shared transformer (attention then MLP, no residual "
                                      "adds, fed the stream and the embeddings) through a linear: it feeds the "

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
-from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
+from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
@@ -186,8 +186,9 @@ class StandardizedTransformer(TransformersModel):
             envoys={
                 family.layers: LayersEnvoy,
                 f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
-                f"{family.layers}.*.{family.attention}": AttentionEnvoy,
-                **({f"{family.layers}.*.{family.mlp}": MLPEnvoy} if family.mlp else {}),
+                **({f"{family.layers}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
+                **({f"{family.layers}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
+                   if family.mlp else {}),
             },
             **({"dispatch": False, **from_pretrained_kwargs} if lazy else {}),
         )
@@ -197,14 +198,18 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
-        self._nnterp_num_heads = self._nnterp_text_config.num_attention_heads  # read on every value: kept
+        # read on every value: kept (None on a model without attention: a recurrent one)
+        self._nnterp_num_heads = getattr(self._nnterp_text_config, "num_attention_heads", None)
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
-            block.mlp._nnterp_slot = slot
-            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At):  # a hybrid's other blocks
-                block.self_attn._nnterp_slot = slot  # have no attention: `self_attn` says why (BlockEnvoy)
+            # a block without an MLP (a recurrent one), or without attention (a hybrid's other blocks), has no such
+            # sublayer: `mlp` / `self_attn` say why (StandardEnvoy)
+            if isinstance(self._nnterp_structure[i].resolve("mlp_output"), At):
+                block.mlp._nnterp_slot = slot
+            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At):
+                block.self_attn._nnterp_slot = slot
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
                                     for block in self._nnterp_blocks for location in block.values.values())
@@ -284,11 +289,16 @@ class StandardizedTransformer(TransformersModel):
         if family.stream_readout:
             hidden = self._module.get_submodule(family.stream_readout)(hidden)
         norm_weight = getattr(self.ln_final._module, "weight", None)
-        if norm_weight is not None and hidden.dtype != norm_weight.dtype:
+        if family.before_final_norm:
+            hidden = family.before_final_norm(hidden, self._module)
+        elif norm_weight is not None and hidden.dtype != norm_weight.dtype:
             hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
         normed = self.ln_final(hidden)
         if family.head_input_transform:
             normed = family.head_input_transform(normed, self._module.config)
+        head_weight = getattr(self.lm_head._module, "weight", None)
+        if head_weight is not None and normed.dtype != head_weight.dtype:
+            normed = normed.to(head_weight.dtype)  # a float32 stream normed in float32 (Mamba's): cast for the head
         logits = self.lm_head(normed)
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
