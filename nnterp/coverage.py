@@ -17,7 +17,6 @@ CATEGORIES: dict[str, str] = {
                "the residual adds, so no residual identity holds.",
     "decoder half": "The decoder half of an encoder-decoder: its blocks cross-attend to an encoder's output, a "
                     "third sublayer with no standard name.",
-    "recurrent": "A recurrent or state-space model: its blocks have no attention sublayer.",
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
     "new shape: per-layer mixer": "Needs a new shape: the sublayer that mixes tokens changes from layer to layer "
