@@ -19,8 +19,6 @@ CATEGORIES: dict[str, str] = {
                     "third sublayer with no standard name.",
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
-    "new shape: per-layer mixer": "Needs a new shape: the sublayer that mixes tokens changes from layer to layer "
-                                  "(attention, linear attention, Mamba, convolution), at different module paths.",
     "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
     "new shape: topology": "Needs a new shape: a block that is not one attention and one MLP sublayer.",
     "new shape: formula": "Needs a new shape: a residual formula whose terms are not at module boundaries.",
