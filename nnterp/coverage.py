@@ -44,14 +44,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "zamba": ("new shape: topology", "every block adds only a Mamba's output, x + mamba(norm(x + t)), and has no MLP; "
-                                     "on some blocks t is a shared transformer (attention then MLP, no residual "
-                                     "adds, fed the stream and the embeddings) through a linear: it feeds the "
-                                     "Mamba's input and is never added to the stream, so no attention or MLP "
-                                     "contribution exists"),
-    "zamba2": ("new shape: topology", "as zamba (x + mamba(norm(x + t)), t from shared transformer blocks with "
-                                      "LoRA adapters, fed to the Mamba's input only): no attention or MLP "
-                                      "contribution to the stream, and no MLP on any block"),
     "longcat_flash": ("new shape: topology", "each block runs two attention-MLP pairs in sequence (self_attn[0], "
                                              "mlps[0], self_attn[1], mlps[1], four adds to the stream) and adds a "
                                              "routed MoE (mlp) of the first pair's normed stream last, "

@@ -55,7 +55,7 @@ def _set(config: PretrainedConfig, name: str, value) -> None:
 
 
 def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
-    heads = getattr(config, "num_attention_heads", None)
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
     if heads:
         config.num_attention_heads = HEADS
         for name in ("num_key_value_heads", "num_kv_heads"):  # Falcon says num_kv_heads
@@ -65,6 +65,12 @@ def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
         if getattr(config, "head_dim", None):
             _set(config, "head_dim", HEAD_DIM)
         config.hidden_size = HEADS * HEAD_DIM
+    width = getattr(config, "attention_hidden_size", None)
+    if heads and hidden and width:  # Zamba's shared transformer reads the stream and the embeddings side by side
+        config.attention_hidden_size = width // hidden * config.hidden_size
+        _set(config, "attention_head_dim", config.attention_hidden_size // HEADS)
+    if getattr(config, "mamba_headdim", None) and getattr(config, "n_mamba_heads", None):  # Zamba2's Mamba-2 heads
+        config.mamba_headdim = config.mamba_expand * config.hidden_size // config.n_mamba_heads
     if getattr(config, "mamba_n_heads", None):  # Mamba-2 heads split mamba_expand * hidden_size between them
         config.mamba_n_heads = HEADS
         if isinstance(getattr(config, "mamba_d_head", None), int):

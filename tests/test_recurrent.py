@@ -1,5 +1,5 @@
-"""Recurrent and state-space models (Mamba, Mamba-2, Falcon-Mamba, RWKV, xLSTM) and Nemotron-H's one-sublayer
-blocks against plain hooks.
+"""Recurrent and state-space models (Mamba, Mamba-2, Falcon-Mamba, RWKV, xLSTM, Zamba, Zamba2) and Nemotron-H's
+one-sublayer blocks against plain hooks.
 
 Ground truth: module boundaries written from transformers' block code, captured with forward hooks on the
 unwrapped model; which sublayer a Nemotron-H block holds is read from its module's class; the identities are the
@@ -89,6 +89,19 @@ def one_sublayer_adds(values, block):
         values["layer_mid"], after)
 
 
+def zamba_truth(blocks):
+    """A hybrid block (it holds mamba_decoder) reads its Mamba there; the shared transformer adds nothing to the stream."""
+    def at(i):
+        mamba = "mamba_decoder." if hasattr(blocks[i], "mamba_decoder") else ""
+        return {"layer_input": ("", "in"), "attention_norm_output": (f"{mamba}input_layernorm", "out"),
+                "mixer_output": (f"{mamba}mamba", "out"), "layer_mid": ("", "out"), "layer_output": ("", "out")}
+    return at
+
+
+def plain_adds(values, block):
+    return torch.equal(values["layer_output"], values["layer_input"] + values["mixer_output"])
+
+
 # case -> (model type, truth, the block's own arithmetic, the mixer's module, what the block lacks)
 CASES = {
     "mamba": ("mamba", mamba_truth, mamba_adds, "mixer", "no MLP: a Mamba block is one token mixer"),
@@ -98,6 +111,8 @@ CASES = {
     "xlstm": ("xlstm", pre_norm_truth("norm_mlstm", "mlstm_layer", "norm_ffn", "ffn", "ffn.act_fn", "ffn.proj_down"),
               sequential_adds, "mlstm_layer", None),
     "nemotron_h": ("nemotron_h", nemotron_h_truth, one_sublayer_adds, "mixer", "no MLP: a Nemotron-H block has one"),
+    "zamba": ("zamba", zamba_truth, plain_adds, "mamba", None),
+    "zamba2": ("zamba2", zamba_truth, plain_adds, "mamba", None),
 }
 
 
@@ -223,7 +238,13 @@ def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
 def test_the_default_config_miniature_is_proven(case):
     """The type's default config, shrunk by the miniature (the stream, the mixers' sizes), proven and equal to hooks."""
     model_type, truth, adds, *_ = CASES[case]
-    config = CONFIG_MAPPING[model_type](num_hidden_layers=3)
+    # enough blocks for two hybrid blocks of Zamba's default layout (transformers ties one hybrid block's shared
+    # transformer to the others'), for one of Zamba2's (whose default lists its 54 block types)
+    if model_type == "zamba2":
+        config = CONFIG_MAPPING[model_type](num_hidden_layers=7,
+                                            layers_block_type=CONFIG_MAPPING[model_type]().layers_block_type[:7])
+    else:
+        config = CONFIG_MAPPING[model_type](num_hidden_layers={"zamba": 8}.get(model_type, 3))
     mini = miniature_config(config)
     assert mini.hidden_size < config.hidden_size
     torch.manual_seed(0)

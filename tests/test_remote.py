@@ -271,7 +271,7 @@ def test_a_hybrid_runs_remotely_bit_exactly(model_type, checkpoints, requests):
 
 
 @pytest.mark.parametrize("model_type", ["recurrent_gemma", "falcon_h1", "gpt_neox_japanese", "granitemoeshared",
-                                        "qwen4_exp_text", "got_ocr2"])
+                                        "qwen4_exp_text", "got_ocr2", "zamba2", "mamba"])
 def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requests):
     """Values read at operations inside a block's code (Falcon-H1's scaled attention, GPT-NeoX-Japanese's bias add,
     Granite's summed mixture), an attention found by its class (RecurrentGemma), a widened stream (Qwen4-Exp) and

@@ -60,6 +60,7 @@ from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, NEMOTRON_H, RWKV, XLSTM
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
 from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
+from .zamba import ZAMBA, ZAMBA2
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
@@ -73,7 +74,8 @@ FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYB
              GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
 FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
 FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/test_topology.py)
-FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H)  # recurrent: no block has attention (tests/test_recurrent.py)
+FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H,  # recurrent: no attention adds to the stream
+             ZAMBA, ZAMBA2)  # (tests/test_recurrent.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
