@@ -174,7 +174,8 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
-        self._nnterp_num_heads = self._nnterp_text_config.num_attention_heads  # read on every value: kept
+        # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts)
+        self._nnterp_heads = heads_per_layer(self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -244,7 +245,12 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def num_heads(self) -> int:
-        return self._nnterp_num_heads
+        """The config's number of attention heads (the global one, where layers have their own: ``num_heads_of``)."""
+        return _global(self._nnterp_text_config, "num_attention_heads")
+
+    def num_heads_of(self, layer: int) -> int:
+        """The number of attention heads of block ``layer`` (the views per head split by it)."""
+        return self._nnterp_heads[layer]
 
     @property
     def vocab_size(self) -> int:
@@ -383,7 +389,7 @@ class StandardizedTransformer(TransformersModel):
         try:
             if plain:  # the module's own tensor, no view or copy: what raw nnsight reads, as directly
                 return location._raw(envoy)
-            return location.read(block, self._nnterp_num_heads, envoy)
+            return location.read(block, self._nnterp_heads[layer], envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
@@ -406,7 +412,7 @@ class StandardizedTransformer(TransformersModel):
         block = self.layers[layer]
         self._begin_pass(block)
         try:
-            return location.read(block, self.num_heads)
+            return location.read(block, self._nnterp_heads[layer])
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key or location.describe(), error) from None
 
@@ -442,7 +448,7 @@ class StandardizedTransformer(TransformersModel):
         location, key, block, envoy, _ = self._resolved(layer, name)
         self._begin_pass(block)
         try:
-            location.write(block, value, self.num_heads, key, envoy)
+            location.write(block, value, self._nnterp_heads[layer], key, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
@@ -498,6 +504,20 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+def _global(config, name: str):
+    """``config.<name>``, the global value where the config's layers override it (a heterogeneous config)."""
+    if getattr(config, "is_heterogeneous", False):
+        return config._getattr_without_heterogeneous_validation(name)
+    return getattr(config, name)
+
+
+def heads_per_layer(config, num_layers: int) -> tuple[int, ...]:
+    """Each block's number of attention heads: the config's, or the layer's own on a heterogeneous config."""
+    if "num_attention_heads" in (getattr(config, "per_layer_attributes", None) or ()):
+        return tuple(config.per_layer_config[i].num_attention_heads for i in range(num_layers))
+    return (config.num_attention_heads,) * num_layers
 
 
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one
