@@ -91,27 +91,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "phi4_multimodal": ("multimodal", "a Phi-3 decoder with vision and audio embedders and LoRA adapters"),
     "moshi": ("multimodal", "a speech-text model; its temporal transformer is a Llama layout with fc1 / fc2 MLPs"),
     "fuyu": ("multimodal", "an image-text model: a Persimmon decoder at model.language_model"),
-    "gemma4": ("not yet", "Gemma-4 blocks at model.language_model; its default config varies per layer, which the "
-                          "miniature does not shrink yet"),
-    "gemma4_unified": ("not yet", "Gemma-4 blocks without per-layer inputs at model.language_model; its config "
-                                  "varies per layer, which the miniature does not shrink yet"),
-    "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs; its config varies per layer, which "
-                                       "the miniature does not shrink yet"),
-    "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
-                                      "modules"),
     "inkling_text": ("not yet", "the Llama block with contributions read after short convolutions (attn_sconv, "
                                 "mlp_sconv)"),
-    "dbrx": ("not yet", "norm_attn_norm (norm, attention, norm, returning the residual and the normed stream) and "
-                        "a routed ffn; its sizes live in nested attn_config / ffn_config, which the miniature does "
-                        "not shrink yet"),
     **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
                       "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "
                       "per forward on a CPU, too slow for the suite that proves every served type")
        for t in ("kimi_linear", "bailing_hybrid")},
-    "dots3_note": ("not yet", "a routed block with gated latent attention; its per-layer configs (heads per "
-                              "layer) are not shrunk into a miniature yet"),
-    "dots3_note_text": ("not yet", "a routed block with gated latent attention; its per-layer configs (heads per "
-                                   "layer) are not shrunk into a miniature yet"),
 }
 
 

@@ -102,12 +102,13 @@ def family_page(family: Family) -> str:
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
              f"| `layers[i].self_attn` | `{family.attention}` |",
              f"| `layers[i].mlp` | {f'`{family.mlp}`' if family.mlp else 'the block itself (no MLP module)'} |", ""]
-    if family.stream_readout or family.logits_transform or family.head_input_transform:
+    if family.stream_readout or family.logits_transform or family.head_input_transform or family.vocab_projection:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")
                   + "the final norm" + (", the family's transform of the normed stream"
                                         if family.head_input_transform else "")
-                  + " and the head" + (", then the family's transform of the logits"
+                  + " and the head" + (f" and `{family.vocab_projection}`" if family.vocab_projection else "")
+                  + (", then the family's transform of the logits"
                                        if family.logits_transform else "") + ".", ""]
     found = shapes(family)
     for shape in found:

@@ -32,7 +32,7 @@ SIZES = {
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
-    "linear_head_dim": HEAD_DIM, "ffn_hidden_size": 64,
+    "linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "ffn_hidden_size": 64,
 }
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads")

@@ -258,7 +258,7 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
                             f"(modules there: {children or 'none'})")
             return False
 
-    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout"):
+    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout", "vocab_projection"):
         if getattr(family, what):
             check(what, getattr(family, what), model)
     if problems:

@@ -206,7 +206,8 @@ class StandardizedTransformer(TransformersModel):
                  f"Standard names ({family.name} family, {self.num_layers} blocks):",
                  f"  model.layers[i] = {family.layers}[i]",
                  f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
-                 f"model.lm_head = {family.lm_head}"]
+                 f"model.lm_head = {family.lm_head}"
+                 + (f" (then {family.vocab_projection}, the projection on the vocabulary)" if family.vocab_projection else "")]
         groups: dict[tuple, list[int]] = {}
         for i in range(self.num_layers):
             table = self.availability(i)
@@ -273,6 +274,8 @@ class StandardizedTransformer(TransformersModel):
         if family.head_input_transform:
             normed = family.head_input_transform(normed, self._module.config)
         logits = self.lm_head(normed)
+        if family.vocab_projection:
+            logits = self._module.get_submodule(family.vocab_projection)(logits)
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits

@@ -88,6 +88,9 @@ class Family:
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
     # what the model does to the normed stream before the head (MiniCPM3 divides it by logits_scaling)
     head_input_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+    # where the head is several modules: the one the model runs after ``lm_head`` to project on the vocabulary
+    # (ModernBERT-decoder's ``decoder``, after its prediction head ``lm_head``)
+    vocab_projection: str | None = None
     # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
     # the test config first with no changes; empty where every config of the family has the same blocks
     variants: tuple[tuple[str, dict], ...] = ()

@@ -1,0 +1,226 @@
+"""Types served after the census (Gemma-4's other classes, DBRX, ModernBERT-decoder, Inkling) against plain hooks,
+and the miniatures of default configs whose layers differ (per-layer configs, head lists, nested sub-configs).
+
+Ground truth: module boundaries written from transformers' decoder-layer code, captured with forward hooks on the
+unwrapped model; the identities are the blocks' own arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer, ValueUnavailable
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.miniature import miniature_config
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, perturb, tiny_tokenizer
+from .test_families import IDS, PRE_NORM, SANDWICH, hook_capture, read_all, run_with_hook
+
+GEMMA4_PLE = {**SANDWICH, "mlp_activation": None, "mlp_neurons": None, "P": ("post_per_layer_input_norm", "out")}
+DBRX = {**PRE_NORM("norm_attn_norm.norm_1", "norm_attn_norm.attn", "norm_attn_norm.attn.out_proj",
+                   "norm_attn_norm.norm_2", "ffn", None, None),
+        "mlp_activation": None, "mlp_neurons": None,
+        # what norm_attn_norm returns: (the stream after the attention's add, the normed stream)
+        "R": ("norm_attn_norm", "out"), "N": ("norm_attn_norm", "out1")}
+MODERNBERT = PRE_NORM("attn_norm", "attn", "attn.Wo", "mlp_norm", "mlp", "mlp.act", "mlp.Wo")
+INKLING = {**PRE_NORM("input_layernorm", "attn_sconv", "self_attn.o_proj", "post_attention_layernorm", "mlp",
+                      "mlp.act_fn", "mlp.down_proj"), "mlp_output": ("mlp_sconv", "out")}
+
+
+def routed(truth):
+    return {**truth, "mlp_activation": None, "mlp_neurons": None}
+
+
+def by_experts(truth):
+    """The truth of block i: routed where the block's MLP has experts (read from the HF modules)."""
+    return lambda blocks: lambda i: routed(truth) if any("expert" in n for n, _ in blocks[i].mlp.named_modules()) \
+        else truth
+
+
+def scaled(x, a, m, e):
+    return ((x + a) + m) * e["block"].layer_scalar
+
+
+def ple_scaled(x, a, m, e):
+    return (((x + a) + m) + e["P"]) * e["block"].layer_scalar
+
+
+# case -> (model type, truth(blocks) -> truth(i), identity(x, a, m, extras), layer_mid(x, a))
+CASES = {
+    "gemma4_image_text": ("gemma4", lambda blocks: lambda i: GEMMA4_PLE, ple_scaled, lambda x, a: x + a),
+    "gemma4_unified_text": ("gemma4_unified_text", lambda blocks: lambda i: SANDWICH, scaled, lambda x, a: x + a),
+    "gemma4_unified": ("gemma4_unified", lambda blocks: lambda i: SANDWICH, scaled, lambda x, a: x + a),
+    "dbrx": ("dbrx", lambda blocks: lambda i: DBRX, lambda x, a, m, e: (a + x) + m, lambda x, a: a + x),
+    "modernbert_decoder": ("modernbert-decoder",
+                           lambda blocks: lambda i: {**MODERNBERT, "attention_norm_output": None} if i == 0 else MODERNBERT,
+                           lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
+}
+
+
+def make(case, dtype=torch.float32):
+    model_type, truth, identity, mid = CASES[case]
+    hf = build_tiny(BY_MODEL_TYPE[model_type].tiny_config(), dtype)
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())  # proven on a miniature at load
+    hf.base_model_blocks = model.layers._module
+    return model, hf, truth(hf.base_model_blocks), identity, mid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_values_equal_hooks_and_identity_holds(case, dtype):
+    model, hf, truth, identity, mid = make(case, dtype)
+    expected, expected_logits = hook_capture(hf, truth, IDS)
+    saved, logits = read_all(model, IDS)
+    assert torch.equal(logits, expected_logits)
+    for i in range(model.num_layers):
+        extras = {"block": hf.base_model_blocks[i]}
+        listed = {key.rpartition(".")[2] for key in model.order(i)}
+        for name, where in truth(i).items():
+            if len(name) == 1:  # an extra place some identity needs
+                extras[name] = expected[(i, name)]
+            elif where is None:
+                assert name not in listed, f"layer {i}: {name} should be unavailable"
+            else:
+                got, want = saved[(i, name)], expected[(i, name)]
+                assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
+        x, a, m, y = (saved[(i, n)] for n in ("layer_input", "attention_output", "mlp_output", "layer_output"))
+        assert torch.equal(identity(x, a, m, extras), y), f"layer {i}: identity"
+        assert torch.equal(saved[(i, "layer_mid")], mid(x, a))
+        if "R" in extras:  # DBRX: norm_attn_norm hands the block layer_mid and mlp_norm_output
+            assert torch.equal(extras["R"], saved[(i, "layer_mid")])
+            assert torch.equal(extras["N"], saved[(i, "mlp_norm_output")])
+        if i + 1 < model.num_layers:
+            assert torch.equal(y, expected[(i + 1, "layer_input")])
+    assert all(result.exact for result in check_identity(model, IDS))
+    with torch.no_grad(), model.trace(IDS):  # the readout of the last block's output is the model's own logits
+        readout = model.project_on_vocab(model.layers[-1].layer_output).save()
+        own = model.logits.save()
+    assert torch.equal(readout, own)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_edits_reach_the_logits_as_hooks_do(case):
+    model, hf, truth, *_ = make(case)
+    block = 1
+    with torch.no_grad(), model.trace(IDS):
+        clean = model.logits.save()
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[block].mlp.mlp_output = model.layers[block].mlp.mlp_output * 0.5
+        edited = model.logits.save()
+    path, _ = truth(block)["mlp_output"]
+    expected = run_with_hook(hf, hf.base_model_blocks[block].get_submodule(path), "out", lambda t: t * 0.5)
+    assert torch.equal(edited, expected) and not torch.equal(edited, clean)
+    with torch.no_grad(), model.trace(IDS):
+        model.layers[block].layer_mid[:, -1] = 0  # in place: the stream the MLP's norm reads and the residual
+        zeroed = model.logits.save()
+
+    def zero_last_in_place(t):  # the stream itself, wherever the block uses it
+        t[:, -1] = 0
+        return t
+
+    path, _ = truth(block)["layer_mid"]
+    assert torch.equal(zeroed, run_with_hook(hf, hf.base_model_blocks[block].get_submodule(path), "in",
+                                             zero_last_in_place))
+
+
+def test_modernbert_decoder_block_0_has_no_attention_norm():
+    model, *_ = make("modernbert_decoder")
+    assert "Identity" in model.availability(0)["attention_norm_output"].reason
+    with pytest.raises(ValueUnavailable, match="no norm before its attention"):
+        with model.trace(IDS):
+            model.layers[0].attention_norm_output.save()
+
+
+# -- default configs whose layers differ ------------------------------------------------------------------------------
+
+def default_config(model_type):
+    """The type's default config, made whole where checkpoints always set what the default leaves out (DBRX's
+    attention reads attn_config.rope_theta; its clamp needs clip_qkv)."""
+    config = CONFIG_MAPPING[model_type]()
+    if model_type == "dbrx":
+        config.attn_config.rope_theta = config.rope_parameters["rope_theta"]
+        config.attn_config.clip_qkv = 8.0
+    return config
+
+
+def head_dims(hf):
+    return [block.self_attn.head_dim for block in StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256)).layers._module]
+
+
+DEFAULTS = ["gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified", "dots3_note", "dbrx", "laguna",
+            "modernbert-decoder"]
+
+
+@pytest.mark.parametrize("model_type", DEFAULTS)
+def test_the_default_config_miniature_builds_and_is_proven(model_type):
+    config = default_config(model_type)
+    torch.manual_seed(0)
+    hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
+    assert sum(p.numel() for p in hf.parameters()) < 2_000_000
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # proven at load
+    ids = IDS % model.vocab_size
+    assert all(result.exact for result in check_identity(model, ids))
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4_unified"])
+def test_a_per_layer_head_size_stays_per_layer(model_type):
+    """Gemma-4's full-attention layers have twice the head size of the others: so do the miniature's."""
+    config = default_config(model_type)
+    text = config.get_text_config()
+    text.allow_global_per_layer_attribute_access = True
+    full = [i for i, kind in enumerate(text.layer_types) if kind == "full_attention"]
+    mini = miniature_config(config).get_text_config()
+    assert mini.is_heterogeneous
+    sizes = [mini.per_layer_config[i].head_dim for i in range(mini.num_hidden_layers)]
+    assert {sizes[i] for i in full} == {2 * sizes[0]} and sizes[0] == mini.head_dim
+    hf = AutoModelForCausalLM.from_config(miniature_config(config))
+    blocks = hf.get_submodule(BY_MODEL_TYPE[model_type].layers)
+    assert [block.self_attn.head_dim for block in blocks] == sizes
+
+
+def test_per_layer_head_counts_keep_their_ratios_and_views_split_by_them():
+    """dots3: some layers have half the query heads, with one key-value head per query head; each block's
+    attention_premix is viewed per head by its own count."""
+    config = default_config("dots3_note")
+    text = config.get_text_config()
+    overrides = text._heterogeneity_spec.per_layer_overrides
+    layer = next(iter(overrides))
+    text.allow_global_per_layer_attribute_access = True
+    ratio = text.num_attention_heads // overrides[layer]["num_attention_heads"]
+    mini = miniature_config(config).get_text_config()
+    mini.allow_global_per_layer_attribute_access = True
+    own = mini.per_layer_config[layer]
+    assert own.num_attention_heads * ratio == mini.num_attention_heads
+    assert own.num_key_value_heads == own.num_attention_heads  # as the real layer: as many as query heads
+    torch.manual_seed(0)
+    hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))
+    captured = {}
+    handle = hf.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, args: captured.setdefault("premix", args[0].clone()))
+    try:
+        with torch.no_grad(), model.trace(IDS % 256):
+            premix = model.layers[layer].self_attn.attention_premix.save()
+    finally:
+        handle.remove()
+    assert premix.shape[2] == own.num_attention_heads == model.num_heads_of(layer) != model.num_heads_of(0)
+    assert torch.equal(premix.flatten(2), captured["premix"])
+
+
+def test_per_layer_lists_secondary_heads_and_nested_configs_shrink():
+    laguna = miniature_config(default_config("laguna"))
+    assert laguna.num_attention_heads_per_layer == [laguna.num_attention_heads] * laguna.num_hidden_layers
+    inkling = CONFIG_MAPPING["inkling_text"]()
+    mini = miniature_config(inkling)
+    assert mini.swa_num_attention_heads == mini.num_attention_heads  # as in the default: as many as the others
+    assert mini.swa_num_attention_heads // mini.swa_num_key_value_heads == \
+        inkling.swa_num_attention_heads // inkling.swa_num_key_value_heads
+    assert mini.swa_head_dim == mini.head_dim
+    dbrx = miniature_config(default_config("dbrx"))
+    assert dbrx.ffn_config.hidden_size == dbrx.d_model == dbrx.hidden_size
+    assert dbrx.attn_config.kv_n_heads == dbrx.num_key_value_heads == 1
+    assert dbrx.ffn_config.ffn_hidden_size < 100 and dbrx.ffn_config.moe_num_experts <= 4
