@@ -58,6 +58,7 @@ CASES = {
     "modernbert_decoder": ("modernbert-decoder",
                            lambda blocks: lambda i: {**MODERNBERT, "attention_norm_output": None} if i == 0 else MODERNBERT,
                            lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
+    "inkling_text": ("inkling_text", by_experts(INKLING), lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
 }
 
 
@@ -127,6 +128,31 @@ def test_edits_reach_the_logits_as_hooks_do(case):
                                              zero_last_in_place))
 
 
+def test_inkling_contributions_are_the_short_convolutions_of_the_sublayers_outputs():
+    """attn_sconv / mlp_sconv: the sublayer's output plus its causal depthwise convolution, in float32, cast back."""
+    model, hf, *_ = make("inkling_text")
+    blocks = hf.base_model_blocks
+    captured, handles = {}, []
+    for i, block in enumerate(blocks):
+        for name in ("self_attn", "mlp"):
+            handles.append(block.get_submodule(name).register_forward_hook(  # reads, returns None
+                lambda m, a, o, key=(i, name): captured.update({key: (o[0] if isinstance(o, tuple) else o).clone()})))
+    try:
+        saved, _ = read_all(model, IDS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i, block in enumerate(blocks):
+        for name, value, conv in (("self_attn", "attention_output", block.attn_sconv), ("mlp", "mlp_output",
+                                                                                          block.mlp_sconv)):
+            branch = captured[(i, name)].float()
+            mixed = torch.nn.functional.conv1d(branch.transpose(1, 2), conv.conv1d.weight.float(),
+                                               padding=conv.conv_kernel_size - 1, groups=branch.shape[-1])
+            expected = (mixed[..., : branch.shape[1]].transpose(1, 2) + branch).to(saved[(i, value)].dtype)
+            assert torch.allclose(saved[(i, value)], expected, atol=1e-6), f"layer {i} {value}"
+            assert not torch.allclose(saved[(i, value)], captured[(i, name)], atol=1e-3)
+
+
 def test_modernbert_decoder_block_0_has_no_attention_norm():
     model, *_ = make("modernbert_decoder")
     assert "Identity" in model.availability(0)["attention_norm_output"].reason
@@ -152,7 +178,7 @@ def head_dims(hf):
 
 
 DEFAULTS = ["gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified", "dots3_note", "dbrx", "laguna",
-            "modernbert-decoder"]
+            "modernbert-decoder", "inkling_text"]
 
 
 @pytest.mark.parametrize("model_type", DEFAULTS)
