@@ -91,10 +91,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "phi4_multimodal": ("multimodal", "a Phi-3 decoder with vision and audio embedders and LoRA adapters"),
     "moshi": ("multimodal", "a speech-text model; its temporal transformer is a Llama layout with fc1 / fc2 MLPs"),
     "fuyu": ("multimodal", "an image-text model: a Persimmon decoder at model.language_model"),
-    **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
-                      "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "
-                      "per forward on a CPU, too slow for the suite that proves every served type")
-       for t in ("kimi_linear", "bailing_hybrid")},
 }
 
 

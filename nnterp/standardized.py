@@ -181,8 +181,11 @@ class StandardizedTransformer(TransformersModel):
             slot = Slot(self, i)
             block._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
-            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At):  # a hybrid's other blocks
-                block.self_attn._nnterp_slot = slot  # have no attention: `self_attn` says why (BlockEnvoy)
+            # a hybrid's other blocks have no attention: `self_attn` says why (BlockEnvoy), or, where their token
+            # mixer sits at the attention's path (Kimi-Linear), its values do
+            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At) or _has_module(
+                    block._module, family.attention):
+                block.self_attn._nnterp_slot = slot
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
                                     for block in self._nnterp_blocks for location in block.values.values())
@@ -507,6 +510,14 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+def _has_module(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _global(config, name: str):

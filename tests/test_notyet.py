@@ -31,6 +31,10 @@ INKLING = {**PRE_NORM("input_layernorm", "attn_sconv", "self_attn.o_proj", "post
                       "mlp.act_fn", "mlp.down_proj"), "mlp_output": ("mlp_sconv", "out")}
 
 
+LLAMA = PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "mlp", "mlp.act_fn",
+                 "mlp.down_proj")
+
+
 def routed(truth):
     return {**truth, "mlp_activation": None, "mlp_neurons": None}
 
@@ -39,6 +43,19 @@ def by_experts(truth):
     """The truth of block i: routed where the block's MLP has experts (read from the HF modules)."""
     return lambda blocks: lambda i: routed(truth) if any("expert" in n for n, _ in blocks[i].mlp.named_modules()) \
         else truth
+
+
+def kda(blocks):
+    """Kimi-Linear / Bailing-Hybrid: the block's self_attn is a linear attention (by its class) or a latent one;
+    either way what it returns is the token mixer's contribution."""
+    experts = by_experts(LLAMA)(blocks)
+
+    def at(i):
+        values = {**experts(i), "mixer_output": ("self_attn", "out")}
+        if "DeltaAttention" in type(blocks[i].self_attn).__name__:
+            values.update(attention_premix=None, attention_output=None)
+        return values
+    return at
 
 
 def scaled(x, a, m, e):
@@ -59,6 +76,8 @@ CASES = {
                            lambda blocks: lambda i: {**MODERNBERT, "attention_norm_output": None} if i == 0 else MODERNBERT,
                            lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
     "inkling_text": ("inkling_text", by_experts(INKLING), lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
+    "kimi_linear": ("kimi_linear", kda, lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
+    "bailing_hybrid": ("bailing_hybrid", kda, lambda x, a, m, e: (x + a) + m, lambda x, a: x + a),
 }
 
 
@@ -88,7 +107,9 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
             else:
                 got, want = saved[(i, name)], expected[(i, name)]
                 assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
-        x, a, m, y = (saved[(i, n)] for n in ("layer_input", "attention_output", "mlp_output", "layer_output"))
+        x, a, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "mlp_output", "layer_output"))
+        if (i, "attention_output") in saved:  # the token mixer of an attention block is its attention
+            assert torch.equal(saved[(i, "attention_output")], a)
         assert torch.equal(identity(x, a, m, extras), y), f"layer {i}: identity"
         assert torch.equal(saved[(i, "layer_mid")], mid(x, a))
         if "R" in extras:  # DBRX: norm_attn_norm hands the block layer_mid and mlp_norm_output
@@ -153,6 +174,22 @@ def test_inkling_contributions_are_the_short_convolutions_of_the_sublayers_outpu
             assert not torch.allclose(saved[(i, value)], captured[(i, name)], atol=1e-3)
 
 
+@pytest.mark.parametrize("case", ["kimi_linear", "bailing_hybrid"])
+def test_a_linear_attention_block_says_why_it_has_no_attention_values(case):
+    model, hf, *_ = make(case)
+    linear = [i for i, b in enumerate(hf.base_model_blocks) if "DeltaAttention" in type(b.self_attn).__name__]
+    attention = [i for i in range(model.num_layers) if i not in linear]
+    assert linear and attention
+    model.enable_attention_values()  # proven on the latent-attention blocks
+    with torch.no_grad(), model.trace(IDS):
+        probabilities = model.layers[attention[0]].self_attn.attention_probabilities.save()
+    assert torch.allclose(probabilities.sum(-1), torch.ones(()))
+    for name in ("attention_output", "attention_premix", "queries"):
+        with pytest.raises(ValueUnavailable, match=f"block {linear[0]} mixes tokens with Kimi Delta Attention"):
+            with model.trace(IDS):
+                getattr(model.layers[linear[0]].self_attn, name).save()
+
+
 def test_modernbert_decoder_block_0_has_no_attention_norm():
     model, *_ = make("modernbert_decoder")
     assert "Identity" in model.availability(0)["attention_norm_output"].reason
@@ -178,7 +215,7 @@ def head_dims(hf):
 
 
 DEFAULTS = ["gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified", "dots3_note", "dbrx", "laguna",
-            "modernbert-decoder", "inkling_text"]
+            "modernbert-decoder", "inkling_text", "kimi_linear", "bailing_hybrid"]
 
 
 @pytest.mark.parametrize("model_type", DEFAULTS)

@@ -48,6 +48,7 @@ from .hybrid import (
     QWEN3_NEXT,
 )
 from .inkling import INKLING
+from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
 from .modernbert_decoder import MODERNBERT_DECODER
@@ -70,7 +71,7 @@ FAMILIES: tuple[Family, ...] = (
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
              GRANITE_MOE_HYBRID)  # hybrids: attention on some blocks, another token mixer on the others
 FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX, MODERNBERT_DECODER,
-             INKLING)  # read after the census
+             INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
