@@ -287,3 +287,49 @@ def test_per_layer_lists_secondary_heads_and_nested_configs_shrink():
     assert dbrx.ffn_config.hidden_size == dbrx.d_model == dbrx.hidden_size
     assert dbrx.attn_config.kv_n_heads == dbrx.num_key_value_heads == 1
     assert dbrx.ffn_config.ffn_hidden_size < 100 and dbrx.ffn_config.moe_num_experts <= 4
+
+
+# -- DeepSeek-V4's compressed attention layers ------------------------------------------------------------------------
+
+KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+
+
+@pytest.mark.parametrize("layer_types", [None, KINDS], ids=["default", "each kind"])
+def test_deepseek_v4_compressed_layers_keep_the_stream_and_refuse_what_has_no_token_axis(layer_types):
+    """The default config's layers are all compressed: their keys carry the compressor's pooled entries after the
+    window's positions. The miniature is proven, the stream values exact; there the values over the key axis are
+    unavailable with the reason, the queries stay, and a sliding layer keeps them all."""
+    changes = {} if layer_types is None else dict(num_hidden_layers=3, layer_types=layer_types,
+                                                  mlp_layer_types=["hash_moe", "moe", "moe"])
+    config = CONFIG_MAPPING["deepseek_v4"](**changes)
+    torch.manual_seed(0)
+    hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # proven at load
+    ids = IDS % model.vocab_size
+    assert all(result.exact for result in check_identity(model, ids))
+    model.enable_attention_values()  # proven too, with the values over keys refused on the compressed layers
+    kinds = config.layer_types
+    compressed = [i for i, kind in enumerate(kinds) if kind != "sliding_attention"]
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    assert compressed
+    # the raw keys really are longer than the sequence on a compressed layer (one entry per 4 tokens on a
+    # compressed_sparse_attention one; per 128 on a heavily_compressed_attention one)
+    layer = kinds.index("compressed_sparse_attention")
+    captured = {}
+    handle = hf.model.layers[layer].self_attn.compressor.register_forward_hook(
+        lambda m, a, o: captured.update(pooled=o[0].shape[-2]))
+    try:
+        with torch.no_grad(), model.trace(ids):  # the sliding layer comes first in "each kind"
+            keys = model.layers[sliding[0]].self_attn.keys.save() if sliding else None
+            queries = model.layers[layer].self_attn.queries.save()
+    finally:
+        handle.remove()
+    assert captured["pooled"] > 0 and queries.shape[:3] == (*ids.shape, model.num_heads)
+    if sliding:
+        assert keys.shape[:2] == ids.shape
+        assert model.availability(sliding[0])["self_attn.attention_probabilities"].available
+    for name in ("keys", "values", "attention_scores", "attention_probabilities"):
+        assert "compressed attention layer" in model.availability(layer)[f"self_attn.{name}"].reason
+        with pytest.raises(ValueUnavailable, match="compressor pools"):
+            with model.trace(ids):
+                getattr(model.layers[layer].self_attn, name).save()
