@@ -175,7 +175,7 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
         # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts)
-        self._nnterp_heads = heads_per_layer(self._nnterp_text_config, len(self.layers))
+        self._nnterp_heads = heads_per_layer(family, self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -527,8 +527,14 @@ def _global(config, name: str):
     return getattr(config, name)
 
 
-def heads_per_layer(config, num_layers: int) -> tuple[int, ...]:
-    """Each block's number of attention heads: the config's, or the layer's own on a heterogeneous config."""
+def heads_per_layer(family: Family, config, num_layers: int) -> tuple[int, ...]:
+    """Each block's number of attention heads: the family's count per block, the config's list per layer or a
+    heterogeneous config's layer's own, else the config's."""
+    if family.heads:
+        return tuple(family.heads(config, i) for i in range(num_layers))
+    listed = getattr(config, "num_attention_heads_per_layer", None)  # Laguna
+    if isinstance(listed, (list, tuple)) and len(listed) == num_layers:
+        return tuple(listed)
     if "num_attention_heads" in (getattr(config, "per_layer_attributes", None) or ()):
         return tuple(config.per_layer_config[i].num_attention_heads for i in range(num_layers))
     return (config.num_attention_heads,) * num_layers

@@ -107,6 +107,10 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
             else:
                 got, want = saved[(i, name)], expected[(i, name)]
                 assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
+                if name == "attention_premix":  # viewed per head by the block's own attention's count
+                    attention = hf.base_model_blocks[i].get_submodule(where[0].rpartition(".")[0])
+                    heads = getattr(attention, "num_heads", model.num_heads)
+                    assert got.shape[2] == heads == model.num_heads_of(i), f"layer {i}: heads"
         x, a, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "mlp_output", "layer_output"))
         if (i, "attention_output") in saved:  # the token mixer of an attention block is its attention
             assert torch.equal(saved[(i, "attention_output")], a)
@@ -190,6 +194,21 @@ def test_a_linear_attention_block_says_why_it_has_no_attention_values(case):
                 getattr(model.layers[linear[0]].self_attn, name).save()
 
 
+def test_inkling_attention_values_follow_each_layers_own_heads():
+    """Its sliding-window layers have 2 heads, the others 4 (the tiny config): each is read by its own count."""
+    model, hf, *_ = make("inkling_text")
+    model.enable_attention_values()  # proven on the miniature: probabilities · values compose to attention_premix
+    read = []
+    with torch.no_grad(), model.trace(IDS):
+        for i in range(model.num_layers):
+            read.append((model.layers[i].self_attn.queries.save(), model.layers[i].self_attn.attention_probabilities.save()))
+    for i, (queries, probabilities) in enumerate(read):
+        heads = hf.base_model_blocks[i].self_attn.num_heads
+        assert queries.shape[2] == probabilities.shape[1] == heads == model.num_heads_of(i)
+        assert torch.allclose(probabilities.sum(-1), torch.ones(()))
+    assert len({model.num_heads_of(i) for i in range(model.num_layers)}) == 2
+
+
 def test_modernbert_decoder_block_0_has_no_attention_norm():
     model, *_ = make("modernbert_decoder")
     assert "Identity" in model.availability(0)["attention_norm_output"].reason
@@ -271,6 +290,28 @@ def test_per_layer_head_counts_keep_their_ratios_and_views_split_by_them():
     finally:
         handle.remove()
     assert premix.shape[2] == own.num_attention_heads == model.num_heads_of(layer) != model.num_heads_of(0)
+    assert torch.equal(premix.flatten(2), captured["premix"])
+
+
+def test_a_per_layer_list_of_head_counts_splits_each_block_by_its_own():
+    """Laguna's num_attention_heads_per_layer: a layer with half the heads keeps half in the miniature, and its
+    attention_premix is viewed per head by its own count."""
+    config = default_config("laguna")
+    config.num_attention_heads_per_layer = [config.num_attention_heads // (1 + i % 2) for i in
+                                            range(config.num_hidden_layers)]
+    torch.manual_seed(0)
+    hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # proven at load
+    assert [model.num_heads_of(i) for i in range(2)] == [model.num_heads, model.num_heads // 2]
+    captured = {}
+    handle = hf.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, args: captured.update(premix=args[0].clone()))
+    try:
+        with torch.no_grad(), model.trace(IDS % 256):
+            premix = model.layers[1].self_attn.attention_premix.save()
+    finally:
+        handle.remove()
+    assert premix.shape[2] == hf.model.layers[1].self_attn.num_heads == model.num_heads // 2
     assert torch.equal(premix.flatten(2), captured["premix"])
 
 

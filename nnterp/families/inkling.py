@@ -4,7 +4,8 @@ The attention's output goes through ``attn_sconv`` and the MLP's through ``mlp_s
 added to the stream: a causal depthwise convolution over positions plus its own input, computed in
 float32 and cast back. What the block adds is the convolution's output, so ``attention_output`` and
 ``mlp_output`` are read there (the attention's own output mixes positions once more before it joins
-the stream). Its MLP is a routed mixture (with shared experts) on the ``sparse`` layers of
+the stream). Its sliding-window layers (``hybrid_sliding``) have their own head count and size
+(``swa_*``). Its MLP is a routed mixture (with shared experts) on the ``sparse`` layers of
 ``mlp_layer_types``. The model divides the last stream by ``logits_mup_width_multiplier`` before the
 head and drops the logits past ``unpadded_vocab_size`` when the head is padded.
 """
@@ -29,11 +30,14 @@ def _unpadded(logits, config):
 
 INKLING = Family(
     name="Inkling", model_types=("inkling_text",), **MODEL_LAYERS, block=_block,
+    # its sliding-window layers have their own head count
+    heads=lambda config, i: (config.swa_num_attention_heads if config.layer_types[i] == "hybrid_sliding"
+                             else config.num_attention_heads),
     head_input_transform=lambda normed, config: normed / config.get_text_config().logits_mup_width_multiplier,
     logits_transform=_unpadded,
     tiny_config=lambda: InklingTextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4,
+        head_dim=16, swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4,
         d_rel=4, rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
         mlp_layer_types=["dense", "sparse", "sparse"], moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, vocab_size=128, unpadded_vocab_size=120,
