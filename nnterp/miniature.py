@@ -55,7 +55,7 @@ def _shrink_heterogeneous(config: PretrainedConfig) -> None:
         return _shrink(config)
     overrides = copy.deepcopy(spec.per_layer_overrides)
     config.per_layer_config = None
-    before = {name: getattr(config, name, None) for layer in overrides.values() for name in layer}
+    before = {name: getattr(config, name, None) for layer in overrides.values() for name in (*layer, "num_attention_heads")}
     _shrink(config)
     config.per_layer_config = {i: _scaled(layer, before, config) for i, layer in overrides.items()}
 
@@ -70,8 +70,8 @@ def _scaled(layer: dict, before: dict, config: PretrainedConfig) -> dict:
             value = max(1, round(value * new / old))
         scaled[name] = value
     for name in KV_HEADS:
-        if name in layer and layer[name]:
-            heads = layer.get("num_attention_heads", before.get("num_attention_heads"))
+        heads = layer.get("num_attention_heads", before["num_attention_heads"])
+        if layer.get(name) and heads:
             shrunk = scaled.get("num_attention_heads", config.num_attention_heads)
             scaled[name] = max(1, shrunk // max(1, heads // layer[name]))
     return scaled
