@@ -50,47 +50,46 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "falcon_mamba": ("recurrent", "Mamba blocks, no attention"),
     "rwkv": ("recurrent", "x + time_mix + channel_mix: recurrent mixers, no attention"),
     "xlstm": ("recurrent", "x + mLSTM + FFN: a recurrent mixer, no attention"),
-    "recurrent_gemma": ("new shape: per-layer mixer", "Griffin: recurrent temporal blocks between local-attention "
-                                                      "blocks, at temporal_block"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
     "nemotron_h": ("new shape: topology", "one sublayer per block: a Mamba, attention, MLP or MoE mixer"),
-    "falcon_h1": ("new shape: topology", "Mamba and attention side by side, scaled and summed, then an MLP"),
-    "zamba": ("new shape: topology", "Mamba blocks, some with a shared transformer block fed the embeddings too"),
-    "zamba2": ("new shape: topology", "Mamba blocks, some with shared transformer blocks and LoRA adapters"),
-    "longcat_flash": ("new shape: topology", "two attention-MLP pairs per block and a shortcut MoE added at the end"),
+    "zamba": ("new shape: topology", "every block adds only a Mamba's output, x + mamba(norm(x + t)), and has no MLP; "
+                                     "on some blocks t is a shared transformer (attention then MLP, no residual "
+                                     "adds, fed the stream and the embeddings) through a linear: it feeds the "
+                                     "Mamba's input and is never added to the stream, so no attention or MLP "
+                                     "contribution exists"),
+    "zamba2": ("new shape: topology", "as zamba (x + mamba(norm(x + t)), t from shared transformer blocks with "
+                                      "LoRA adapters, fed to the Mamba's input only): no attention or MLP "
+                                      "contribution to the stream, and no MLP on any block"),
+    "longcat_flash": ("new shape: topology", "each block runs two attention-MLP pairs in sequence (self_attn[0], "
+                                             "mlps[0], self_attn[1], mlps[1], four adds to the stream) and adds a "
+                                             "routed MoE (mlp) of the first pair's normed stream last, "
+                                             "(mid + mlps[1]) + mlp: one attention_output and one mlp_output per "
+                                             "block cannot hold them"),
     "hrm_text": ("new shape: topology", "two stacks looped for several cycles: each block runs many times per pass"),
-    "granitemoeshared": ("new shape: topology", "the MLP contribution is two modules' outputs summed "
-                                                "(block_sparse_moe + shared_mlp)"),
-    "granitemoe_swa": ("new shape: topology", "as granitemoeshared, with sliding-window attention"),
-    "hy_v4": ("new shape: streams", "hyper-connections: several parallel residual streams"),
-    "qwen4_exp": ("new shape: streams", "gated hyper-connections over a widened stream, per-layer mixers"),
-    "qwen4_exp_text": ("new shape: streams", "gated hyper-connections over a widened stream, per-layer mixers"),
     "gemma3n_text": ("new shape: streams", "AltUp's several predicted streams, a LAuReL branch and per-layer inputs"),
     "inkling2_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs"),
     "inkling2_loop_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs; looped layers"),
     "reformer": ("new shape: streams", "reversible residuals over two half streams"),
-    "dory": ("new shape: formula", "nGPT's interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
-    "gpt_neox_japanese": ("new shape: formula", "the attention's bias is added inside the residual add, at no module "
-                                                "boundary"),
-    "cpmant": ("new shape: formula", "adds inside its sub-blocks over a stream with prompt tokens prepended inside "
-                                     "the model"),
+    "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
+                                    "restarting from the normed stream plus the input section's output), with nGPT's "
+                                    "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
+    "cpmant": ("new shape: formula", "the model prepends prompt_length learned prompt positions to the stream and "
+                                     "drops them after the final norm, so position i of a block's values is not "
+                                     "token i (the blocks themselves add inside self_att / ffn sub-blocks)"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),
-    "mllama": ("multimodal", "gated cross-attention layers (cross_attn) among the decoder layers"),
+    "mllama": ("multimodal", "MllamaForCausalLM is the text decoder alone: its cross-attention blocks "
+                             "(config.cross_attention_layers) are skipped on text input, so they have no values, and "
+                             "given image states they add tanh(gate) · cross_attn and tanh(gate) · mlp, terms at no "
+                             "module boundary"),
     "musicgen": ("multimodal", "an audio-codebook decoder with cross-attention"),
     "musicgen_melody": ("multimodal", "an audio-codebook decoder over [batch * codebooks, seq]"),
     "gemma4_assistant": ("multimodal", "a speculative-decoding assistant: its layers read the target model's keys "
                                        "and values"),
     "gemma4_unified_assistant": ("multimodal", "a speculative-decoding assistant: its layers read the target model's "
                                                "keys and values"),
-    "emu3": ("multimodal", "a decoder over text and image tokens; its text config is emu3_text_model"),
-    "got_ocr2": ("multimodal", "an OCR model: a Qwen2 decoder at model.language_model after a vision tower"),
-    "moss_transcribe_diarize": ("multimodal", "an audio LM: a Qwen3 decoder at model.language_model"),
-    "phi4_multimodal": ("multimodal", "a Phi-3 decoder with vision and audio embedders and LoRA adapters"),
-    "moshi": ("multimodal", "a speech-text model; its temporal transformer is a Llama layout with fc1 / fc2 MLPs"),
-    "fuyu": ("multimodal", "an image-text model: a Persimmon decoder at model.language_model"),
 }
 
 

@@ -33,6 +33,10 @@ SIZES = {
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
     "linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "ffn_hidden_size": 64,
+    # widened streams' mixing rank, per-layer n-gram embeddings and the token selector's heads (Qwen4-Exp)
+    "hc_lowrank": 8, "ngram_vocab_size_base": 1000, "ple_embed_dim": 16, "indexer_head_dim": HEAD_DIM,
+    "indexer_n_heads": 2,
+    "lru_width": HEADS * HEAD_DIM,  # Griffin's recurrence width, split in blocks between the heads
 }
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads")
@@ -40,9 +44,10 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 
 
 def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` (the full config, text and vision parts) with every size shrunk."""
+    """A copy of ``config`` (the full config: text, vision and audio parts) with every size shrunk."""
     mini = copy.deepcopy(config)
-    for part in {id(c): c for c in (mini, mini.get_text_config(), getattr(mini, "vision_config", None)) if c}.values():
+    parts = (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None))
+    for part in {id(c): c for c in parts if c}.values():
         _shrink_heterogeneous(part)
     return mini
 
@@ -113,6 +118,8 @@ def _shrink(config: PretrainedConfig) -> None:
         config.mamba_n_heads = HEADS
         if isinstance(getattr(config, "mamba_d_head", None), int):
             config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
+        if getattr(config, "mamba_d_ssm", None):  # Falcon-H1 gives the Mamba width itself: heads times their size
+            config.mamba_d_ssm = HEADS * config.mamba_d_head
     keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
     if keys and values:  # linear attention's heads, keeping the value heads per key head
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
@@ -129,7 +136,7 @@ def _shrink(config: PretrainedConfig) -> None:
         _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
         _set(config, "head_dim", config.qk_rope_head_dim)
     for name, sub in list(vars(config).items()) if heads else ():  # a model's own sub-configs (DBRX's attn_config)
-        if isinstance(sub, PretrainedConfig) and not name.endswith(("text_config", "vision_config")):
+        if isinstance(sub, PretrainedConfig) and not name.endswith(("text_config", "vision_config", "audio_config")):
             _shrink_sub(sub, config, heads)
     vocab = getattr(config, "vocab_size", None)
     for name in TOKEN_IDS:

@@ -112,6 +112,8 @@ def _shape_problem(model, layer: int, name: str, shape: tuple[int, ...]) -> str 
     expected = _expected_dims(model, layer, name)
     if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 4:
         expected = (1, SEQ, None, model.hidden_size)  # parallel streams
+    if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 3 and shape[-1] % model.hidden_size == 0:
+        expected = (1, SEQ, None)  # a widened stream: copies of the hidden size side by side (Qwen4-Exp)
     if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
         readable = ["*" if e is None else e for e in expected]
         return f"has shape {list(shape)}, expected {readable}"

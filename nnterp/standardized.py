@@ -97,6 +97,20 @@ def _architecture_of(config) -> type[PreTrainedModel]:
         ) from None
 
 
+def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwargs: dict) -> PreTrainedModel:
+    """The checkpoint's model, refused when the checkpoint left weights of its blocks out: those would be random,
+    and every value read from them noise (transformers only logs it)."""
+    model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
+    missing = [key for key in info.get("missing_keys", ()) if key.startswith(family.layers + ".")]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
+            f"(e.g. {', '.join(sorted(missing)[:3])}), so they would be random. The checkpoint may keep them under "
+            "other names: pass key_mapping={regex: replacement} to rename them as the model names them."
+        )
+    return model
+
+
 class StandardizedTransformer(TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
@@ -124,8 +138,11 @@ class StandardizedTransformer(TransformersModel):
         lazy = isinstance(model, (str, os.PathLike)) and not dispatch
         if isinstance(model, (str, os.PathLike)):
             config, architecture, tokenizer, validated = _prepare(model, tokenizer, validate, from_pretrained_kwargs)
+            keys = family_of(config, architecture.__name__).checkpoint_keys
+            if keys:  # the user's own key_mapping, if any, wins
+                from_pretrained_kwargs = {"key_mapping": dict(keys), **from_pretrained_kwargs}
             if not lazy:
-                model = architecture.from_pretrained(model, **from_pretrained_kwargs)
+                model = _load_whole(architecture, model, family_of(config, architecture.__name__), from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
@@ -182,9 +199,9 @@ class StandardizedTransformer(TransformersModel):
             block._nnterp_slot = slot
             block.mlp._nnterp_slot = slot
             # a hybrid's other blocks have no attention: `self_attn` says why (BlockEnvoy), or, where their token
-            # mixer sits at the attention's path (Kimi-Linear), its values do
+            # mixer's native name is `self_attn` (Kimi-Linear's linear attention), its values do
             if isinstance(self._nnterp_structure[i].resolve("attention_output"), At) or _has_module(
-                    block._module, family.attention):
+                    block._module, "self_attn"):
                 block.self_attn._nnterp_slot = slot
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
@@ -346,6 +363,16 @@ class StandardizedTransformer(TransformersModel):
         """The environment a remote request carries: eager attention while the attention values are on."""
         env = TransformersModel._remoteable_get_env(self)
         if self._nnterp_attention_on:
+            # the server switches through transformers, which refuses a class with an attention of its own code
+            # (a multimodal model's vision tower): say so before sending a request bound to fail
+            can_switch = getattr(type(self._module), "_can_set_attn_implementation", lambda: True)
+            if not can_switch():
+                raise ValueError(
+                    f"The attention values cannot run remotely on {type(self._module).__name__}: the server switches "
+                    "a model to eager attention through transformers, which refuses this class (part of it computes "
+                    "attention in its own code). Call model.disable_attention_values() for remote traces; every "
+                    "other value runs remotely."
+                )
             env["attn_implementation"] = attention.IMPLEMENTATION
         return env
 
@@ -496,10 +523,16 @@ class StandardizedTransformer(TransformersModel):
                   for key, location in located if not location.op}
         rank = {key: BY_NAME[key.rpartition(".")[2]].rank for key, _ in located if not key.startswith("extra.")}
         block_input = (self._event_index(self.block_path(layer), "input", "layer_input"), 0)
+        # and after its module is called (Falcon-H1 runs its Mamba between the norm and the attention). Operations
+        # of equal rank at different places (Falcon-H1's scaled attention output, then the sum that is its mixer's
+        # output) follow the catalog's order; values read at one operation share its event.
+        places: dict[tuple[str, str, str], int] = {}
         for key, location in located:
             if location.op:
+                called = self._forward_events.get((self.block_path(layer, location.path), "input"), -1)
                 before = [events[k] for k in events if k in rank and rank[k] < rank[key]]
-                events[key] = (max(before, default=block_input)[0], 1 + rank[key])
+                place = places.setdefault((location.path, location.op, location.side), len(places))
+                events[key] = (max(max(before, default=block_input)[0], called), 1 + rank[key], place)
         return sorted(((events[key], key, location) for key, location in located), key=lambda item: item[0])
 
     def _event_index(self, name: str, side: str, key: str) -> int:

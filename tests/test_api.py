@@ -58,6 +58,23 @@ def test_loading_from_a_folder(tmp_path):
     assert out.dtype == torch.bfloat16 and out.shape == (1, 3, 64)
 
 
+def test_a_checkpoint_without_the_blocks_weights_is_refused_not_left_random(tmp_path):
+    """A checkpoint that keeps its weights under other names (an image-text checkpoint's prefix) would load with
+    random blocks; loading refuses it, and key_mapping renames them."""
+    from safetensors.torch import load_file, save_file
+
+    hf = build_tiny(BY_MODEL_TYPE["llama"].tiny_config())
+    hf.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({f"text_model.{key}": tensor for key, tensor in weights.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="weights of the blocks .* not in the checkpoint.*key_mapping"):
+        StandardizedTransformer(str(tmp_path))
+    model = StandardizedTransformer(str(tmp_path), key_mapping={r"^text_model\.": ""})
+    assert torch.equal(model._module.model.layers[1].mlp.down_proj.weight, hf.model.layers[1].mlp.down_proj.weight)
+
+
 def test_missing_model_says_what_to_do(tmp_path):
     with pytest.raises(OSError, match="not a local folder holding a model"):
         StandardizedTransformer(str(tmp_path / "nowhere"))

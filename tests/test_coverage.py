@@ -11,7 +11,11 @@ from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
 from .test_families import CASES
 from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
+from .test_multimodal import CASES as MULTIMODAL_CASES
+from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
+from .test_streams import SERVED as STREAM_TYPES
+from .test_topology import CASES as TOPOLOGY_CASES
 
 
 def test_every_causal_lm_type_is_served_or_classified():
@@ -36,6 +40,9 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     default config's miniature, against hooks)."""
     cased = {config().model_type for config, *_ in CASES.values()}
     cased |= {model_type for model_type, *_ in HYBRID_CASES.values()} | {t for pair in IMAGE_TEXT for t in pair}
+    cased |= set(STREAM_TYPES)
+    cased |= {model_type for model_type, *_ in MULTIMODAL_CASES.values()} | set(TEXT_TYPES.values())  # test_multimodal.py
+    cased |= set(TOPOLOGY_CASES)  # tests/test_topology.py: its cases are named by model type
     cased |= {model_type for model_type, *_ in NOTYET_CASES.values()}  # test_notyet.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more

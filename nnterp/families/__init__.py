@@ -33,7 +33,8 @@ from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
-from .granite import GRANITE, GRANITE_MOE, HYPERCLOVAX, MINICPM3
+from .granite import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, HYPERCLOVAX, MINICPM3
+from .hy_v4 import HY_V4
 from .hybrid import (
     BAMBA,
     GRANITE_MOE_HYBRID,
@@ -54,11 +55,14 @@ from .llama4 import LLAMA4
 from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
+from .multimodal import MULTIMODAL
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
+from .qwen4_exp import QWEN4_EXP
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
+from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
 
 FAMILIES: tuple[Family, ...] = (
     GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
@@ -66,10 +70,12 @@ FAMILIES: tuple[Family, ...] = (
     MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
     STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
     GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE, BEAM,
-    MINICPM3,
+    MINICPM3, HY_V4,
 )
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
-             GRANITE_MOE_HYBRID)  # hybrids: attention on some blocks, another token mixer on the others
+             GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
+FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
+FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/test_topology.py)
 FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX, MODERNBERT_DECODER,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a

@@ -97,6 +97,10 @@ class Family:
     # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
     # the test config first with no changes; empty where every config of the family has the same blocks
     variants: tuple[tuple[str, dict], ...] = ()
+    # where the causal LM's weights are in the checkpoints of the type, when transformers does not rename them for it
+    # (an image-text checkpoint keeps its text model under a prefix): (pattern, replacement) pairs that loading by
+    # name passes as ``key_mapping``
+    checkpoint_keys: tuple[tuple[str, str], ...] = ()
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""

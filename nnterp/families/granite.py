@@ -5,16 +5,30 @@
 the products are not at any module boundary, so the values are the sublayers' own
 outputs and the identity carries ``r``. (Block 0's input is the embedding times
 ``embedding_multiplier``, and the logits are ``lm_head`` divided by ``logits_scaling``.)
-Granite-MoE's MLP is a routed mixture at ``block_sparse_moe``. HyperCLOVAX norms each
-contribution after its sublayer (``post_norm1``, ``post_norm2``), so a contribution is that
-norm's output, and it multiplies its logits by ``logits_scaling``. MiniCPM3's factor is the
+Granite-MoE's MLP is a routed mixture at ``block_sparse_moe``.
+Granite-MoE-shared and Granite-MoE-SWA (the same block with sliding-window attention) add a shared
+MLP (``shared_mlp``, where ``shared_intermediate_size > 0``; the default config has none) called with
+the same normed stream: the MLP contribution is the experts' output plus the shared MLP's, summed in
+the block's own code, so ``mlp_output`` is read at that add (the operation nnsight's ``.source``
+names ``hidden_states_4``) and ``mlp_input`` is the norm's output. ``layers[i].mlp`` is the mixture,
+the module every config of the type has (``layers[i].shared_mlp`` is the shared MLP); the MLP is
+routed, so no single activation exists. Granite-MoE-SWA's eager attention scales the heads' mixed
+values by attention-sink factors, so the values inside its attention are unavailable.
+HyperCLOVAX norms each contribution after its sublayer (``post_norm1``, ``post_norm2``), so a
+contribution is that norm's output, and it multiplies its logits by ``logits_scaling``. MiniCPM3's factor is the
 block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its attention is latent
 (MLA), and it divides the normed stream by ``logits_scaling`` before the head.
 """
 
-from transformers import GraniteConfig, GraniteMoeConfig, HyperCLOVAXConfig, MiniCPM3Config
+from transformers import (
+    GraniteConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
+    HyperCLOVAXConfig,
+    MiniCPM3Config,
+)
 
-from .base import MODEL_LAYERS, ROUTED, Family, output, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, STANDARD, Family, SameAs, Unavailable, output, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -47,6 +61,31 @@ GRANITE_MOE = Family(
     block=lambda config, i: _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED),
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: GraniteMoeConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2),
+)
+
+
+def _shared_block(config, i):
+    """Granite-MoE's block; with a shared MLP, the MLP contribution is the sum of the two modules' outputs."""
+    shared = {"mlp_output": output("", op="hidden_states_4"),  # moe_hidden_states + self.shared_mlp(hidden_states)
+              "mlp_input": SameAs("mlp_norm_output")} if config.shared_intermediate_size else {}
+    return _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED, **shared)
+
+
+_SINK_SCALED = Unavailable(
+    "its eager attention scales each head's mixed values by a sink factor, sigmoid(logsumexp(scores) - sink), "
+    "after the matmul with the softmax: no tensor is the pattern that mixes the values")
+
+GRANITE_MOE_SHARED = Family(
+    name="Granite-MoE-shared",
+    model_types=("granitemoeshared", "granitemoe_swa"),
+    **{**MODEL_LAYERS, "mlp": "block_sparse_moe"},
+    block=_shared_block,
+    logits_transform=lambda logits, config: logits / config.logits_scaling,
+    attention_internals=lambda config: _SINK_SCALED if config.model_type == "granitemoe_swa" else STANDARD,
+    tiny_config=lambda: GraniteMoeSharedConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                               shared_intermediate_size=64),
+    variants=(("`shared_intermediate_size > 0`", {}),
+              ("`shared_intermediate_size = 0` (the default: no shared MLP)", {"shared_intermediate_size": 0})),
 )
 HYPERCLOVAX = Family(
     name="HyperCLOVAX",
