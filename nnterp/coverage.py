@@ -17,11 +17,8 @@ CATEGORIES: dict[str, str] = {
                "the residual adds, so no residual identity holds.",
     "decoder half": "The decoder half of an encoder-decoder: its blocks cross-attend to an encoder's output, a "
                     "third sublayer with no standard name.",
-    "recurrent": "A recurrent or state-space model: its blocks have no attention sublayer.",
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
-    "new shape: per-layer mixer": "Needs a new shape: the sublayer that mixes tokens changes from layer to layer "
-                                  "(attention, linear attention, Mamba, convolution), at different module paths.",
     "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
     "new shape: topology": "Needs a new shape: a block that is not one attention and one MLP sublayer.",
     "new shape: formula": "Needs a new shape: a residual formula whose terms are not at module boundaries.",
@@ -45,14 +42,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     **{t: _SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                              "pegasus", "plbart", "trocr", "whisper")},
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
-    "mamba": ("recurrent", "x + mixer(norm(x)): a selective state-space mixer, no attention"),
-    "mamba2": ("recurrent", "x + mixer(norm(x)): a Mamba-2 mixer, no attention"),
-    "falcon_mamba": ("recurrent", "Mamba blocks, no attention"),
-    "rwkv": ("recurrent", "x + time_mix + channel_mix: recurrent mixers, no attention"),
-    "xlstm": ("recurrent", "x + mLSTM + FFN: a recurrent mixer, no attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "nemotron_h": ("new shape: topology", "one sublayer per block: a Mamba, attention, MLP or MoE mixer"),
     "zamba": ("new shape: topology", "every block adds only a Mamba's output, x + mamba(norm(x + t)), and has no MLP; "
                                      "on some blocks t is a shared transformer (attention then MLP, no residual "
                                      "adds, fed the stream and the embeddings) through a linear: it feeds the "

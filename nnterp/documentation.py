@@ -81,7 +81,12 @@ def shapes(family: Family) -> list[Shape]:
         config = full.get_text_config()
         for i in range(config.num_hidden_layers):
             structure = family.block(config, i)
-            block = dataclasses.replace(structure, values={**internal_locations(family, config), **structure.values})
+            values = {**internal_locations(family, config), **structure.values}
+            # a reason that names its block ("block 2 mixes tokens with ...") is read as of any block i, so that
+            # blocks that differ only there are one shape
+            values = {name: Unavailable(location.reason.replace(f"block {i} ", "block i "))
+                      if isinstance(location, Unavailable) else location for name, location in values.items()}
+            block = dataclasses.replace(structure, values=values)
             shape = next((s for s in found if repr(sorted(s.block.values.items())) == repr(sorted(block.values.items()))
                           and s.block.formula == block.formula), None)
             if shape is None:
@@ -92,6 +97,26 @@ def shapes(family: Family) -> list[Shape]:
     return found
 
 
+def _by_class(family: Family, alias: str) -> str:
+    """Where the module at one native name is the attention on some blocks and the MLP on others: which classes."""
+    classes = [cls.__name__ for cls, name in family.sublayer_classes().items() if name == alias]
+    return f" where the block holds {' or '.join(f'`{name}`' for name in classes)}"
+
+
+def _attention_module(family: Family) -> str:
+    if not family.attention:
+        return "none: no block has attention"
+    return f"`{family.attention}`" + (_by_class(family, "self_attn") if family.sublayer_classes else "")
+
+
+def _mlp_module(family: Family) -> str:
+    if family.mlp:
+        return f"`{family.mlp}`" + (_by_class(family, "mlp") if family.sublayer_classes else "")
+    if all(isinstance(shape.block.resolve("mlp_output"), Unavailable) for shape in shapes(family)):
+        return "none: no block has an MLP"
+    return "the block itself (no MLP module)"
+
+
 def family_page(family: Family) -> str:
     doc = inspect.cleandoc(sys.modules[family.block.__module__].__doc__ or "")
     config = family.tiny_config()
@@ -100,11 +125,13 @@ def family_page(family: Family) -> str:
              "## Modules", "", "| standard name | module |", "|---|---|",
              f"| `layers` | `{family.layers}` |", f"| `embed_tokens` | `{family.embed_tokens}` |",
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
-             f"| `layers[i].self_attn` | `{family.attention}` |",
-             f"| `layers[i].mlp` | {f'`{family.mlp}`' if family.mlp else 'the block itself (no MLP module)'} |", ""]
-    if family.stream_readout or family.logits_transform or family.head_input_transform or family.vocab_projection:
+             f"| `layers[i].self_attn` | {_attention_module(family)} |",
+             f"| `layers[i].mlp` | {_mlp_module(family)} |", ""]
+    if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
+            or family.vocab_projection:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")
+                  + ("what the model does to the last block's output, then " if family.before_final_norm else "")
                   + "the final norm" + (", the family's transform of the normed stream"
                                         if family.head_input_transform else "")
                   + " and the head" + (f" and `{family.vocab_projection}`" if family.vocab_projection else "")
@@ -145,7 +172,8 @@ def names_page() -> str:
              "| `model.layers` | the blocks, a list |",
              "| `model.layers[i].self_attn` | block i's attention module (a hybrid's blocks that mix tokens "
              "otherwise have none: `model.availability(i)` says why) |",
-             "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT) |",
+             "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT; "
+             "a recurrent block without one has none: `model.availability(i)` says why) |",
              "| `model.embed_tokens` | the token embedding |",
              "| `model.ln_final` | the final norm |",
              "| `model.lm_head` | the head |",

@@ -92,11 +92,21 @@ class StandardEnvoy(Envoy):
         slot = self.__dict__.get("_nnterp_slot")
         if slot is not None and name in standard_values(type(self)):
             return slot.model.read_value(slot.layer, name)
-        if slot is not None and name == "self_attn" and isinstance(self, BlockEnvoy):
-            location = slot.model.block_spec(slot.layer).resolve("attention_output")
-            if isinstance(location, Unavailable):  # a hybrid's block that mixes tokens otherwise: say why
-                raise ValueUnavailable("self_attn", slot.model.family.name, location.reason)
+        if slot is not None and name in SUBLAYERS and isinstance(self, BlockEnvoy):
+            _no_sublayer(slot, name)
         return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
+
+
+# a block's sublayer -> the value that is its contribution: the sublayer exists where the value does
+SUBLAYERS = {"self_attn": "attention_output", "mlp": "mlp_output"}
+
+
+def _no_sublayer(slot: Slot, name: str) -> None:
+    """Raise ``ValueUnavailable`` with the reason where block ``slot.layer`` has no such sublayer (a hybrid's block
+    that mixes tokens otherwise has no attention, a recurrent block no MLP)."""
+    location = slot.model.block_spec(slot.layer).resolve(SUBLAYERS[name])
+    if isinstance(location, Unavailable):
+        raise ValueUnavailable(name, slot.model.family.name, location.reason)
 
 
 class BlockEnvoy(StandardEnvoy):
@@ -131,11 +141,20 @@ class MLPEnvoy(StandardEnvoy):
     mlp_output = StandardValue()
 
 
+class SublayerEnvoy(AttentionEnvoy, MLPEnvoy):
+    """A module that is the attention on some blocks and the MLP on others (Nemotron-H's ``mixer``): the values of
+    either, each available where the block's spec places it."""
+
+
 class BlockWithMLPEnvoy(BlockEnvoy, MLPEnvoy):
-    """A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block."""
+    """A block whose MLP layers sit on the block itself (OPT): ``layers[i].mlp`` is the block. The envoy of a
+    family with no MLP module too: where the block has no MLP (a recurrent block), ``mlp`` says why."""
 
     @property
     def mlp(self) -> BlockWithMLPEnvoy:
+        slot = self.__dict__.get("_nnterp_slot")
+        if slot is not None:  # a block with no MLP at all (a recurrent one): say why
+            _no_sublayer(slot, "mlp")
         return self
 
 

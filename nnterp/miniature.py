@@ -37,7 +37,10 @@ SIZES = {
     "hc_lowrank": 8, "ngram_vocab_size_base": 1000, "ple_embed_dim": 16, "indexer_head_dim": HEAD_DIM,
     "indexer_n_heads": 2,
     "lru_width": HEADS * HEAD_DIM,  # Griffin's recurrence width, split in blocks between the heads
+    "moe_shared_expert_intermediate_size": 32,  # Nemotron-H's shared experts
 }
+# a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
+RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -48,20 +51,20 @@ def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
     mini = copy.deepcopy(config)
     parts = (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None))
     for part in {id(c): c for c in parts if c}.values():
-        _shrink_heterogeneous(part)
+        _shrink_heterogeneous(part, language_model=part is mini.get_text_config())
     return mini
 
 
-def _shrink_heterogeneous(config: PretrainedConfig) -> None:
+def _shrink_heterogeneous(config: PretrainedConfig, language_model: bool = True) -> None:
     """Shrink ``config``; a heterogeneous one is shrunk as a homogeneous one, then given back its per-layer
     overrides, scaled as their global values were."""
     spec = config.__dict__.get("_heterogeneity_spec")
     if spec is None:
-        return _shrink(config)
+        return _shrink(config, language_model)
     overrides = copy.deepcopy(spec.per_layer_overrides)
     config.per_layer_config = None
     before = {name: getattr(config, name, None) for layer in overrides.values() for name in (*layer, "num_attention_heads")}
-    _shrink(config)
+    _shrink(config, language_model)
     config.per_layer_config = {i: _scaled(layer, before, config) for i, layer in overrides.items()}
 
 
@@ -93,7 +96,7 @@ def _set(config: PretrainedConfig, name: str, value) -> None:
         pass
 
 
-def _shrink(config: PretrainedConfig) -> None:
+def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     heads = getattr(config, "num_attention_heads", None)
     if heads:
         config.num_attention_heads = HEADS
@@ -120,12 +123,22 @@ def _shrink(config: PretrainedConfig) -> None:
             config.mamba_d_head = config.mamba_expand * config.hidden_size // HEADS
         if getattr(config, "mamba_d_ssm", None):  # Falcon-H1 gives the Mamba width itself: heads times their size
             config.mamba_d_ssm = HEADS * config.mamba_d_head
+    recurrent = language_model and not heads and getattr(config, "hidden_size", None)  # a language model without attention
+    if recurrent:
+        config.hidden_size = HEADS * HEAD_DIM
+    if getattr(config, "mamba_num_heads", None) and getattr(config, "mamba_head_dim", None):  # Nemotron-H's Mamba-2
+        _shrink_mamba2_heads(config, "mamba_num_heads", "mamba_head_dim")
+        for name, size in (("ssm_state_size", 8), ("chunk_size", 16)):
+            if getattr(config, name, None):
+                setattr(config, name, size)
     keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
     if keys and values:  # linear attention's heads, keeping the value heads per key head
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
     for name, size in SIZES.items():
         if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
-            setattr(config, name, size)
+            _set(config, name, size)  # (xLSTM's v_head_dim is derived from its sizes)
+    if recurrent:
+        _shrink_recurrent(config)
     for name in EXPERT_COUNTS:
         if getattr(config, name, None):
             setattr(config, name, min(getattr(config, name), 4))
@@ -169,6 +182,31 @@ def _shrink_sub(sub: PretrainedConfig, model: PretrainedConfig, heads: int | Non
             setattr(sub, name, min(getattr(sub, name), 4))
     if getattr(sub, "moe_top_k", None):
         sub.moe_top_k = min(sub.moe_top_k, 2)
+
+
+def _shrink_recurrent(config: PretrainedConfig) -> None:
+    """The mixers of a recurrent model, after its stream: Mamba's inner width, Mamba-2's heads."""
+    for name, size in RECURRENT_SIZES.items():
+        if getattr(config, name, None):
+            setattr(config, name, size)
+    expand = getattr(config, "expand", None)
+    if expand and getattr(config, "intermediate_size", None):  # Mamba's inner width is expand * hidden_size
+        config.intermediate_size = expand * config.hidden_size
+    qk, v = getattr(config, "qk_dim_factor", None), getattr(config, "v_dim_factor", None)
+    if qk and v:  # xLSTM: its state's cache rounds hidden_size * factor up to a multiple of 64, its layers do not
+        config.hidden_size = next(width for width in range(64, 64 * 65, 64)
+                                  if (width * qk) % 64 == 0 and (width * v) % 64 == 0)
+        config.embedding_dim, config.num_heads = config.hidden_size, min(config.num_heads, HEADS)
+    if expand and getattr(config, "num_heads", None) and getattr(config, "head_dim", None):
+        _shrink_mamba2_heads(config, "num_heads", "head_dim")
+
+
+def _shrink_mamba2_heads(config: PretrainedConfig, heads: str, head_dim: str) -> None:
+    """Mamba-2's heads split expand * hidden_size between them, in n_groups groups: keep the heads per group."""
+    per_group = max(1, getattr(config, heads) // max(1, getattr(config, "n_groups", 1)))
+    setattr(config, heads, HEADS)
+    setattr(config, head_dim, config.expand * config.hidden_size // HEADS)
+    config.n_groups = max(1, HEADS // per_group)
 
 
 @contextmanager

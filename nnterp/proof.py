@@ -204,9 +204,10 @@ def _placement_problems(model, layer: int, values) -> list[str]:
             values["mlp_norm_output"], values["mlp_input"].reshape(values["mlp_norm_output"].shape)):
         problems.append(f"layer {layer}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
     module = model._module.get_submodule(model.block_path(layer))
-    attention = model.family.attention + "."
+    # the attention's own modules are not experts (on a block that has attention: the path may hold an MLP elsewhere)
+    attention = model.family.attention if isinstance(block.resolve("attention_output"), At) else None
     names = [name for name, _ in (*module.named_modules(), *module.named_parameters())
-             if not name.startswith(attention)]
+             if not (attention and name.startswith(attention + "."))]
     has_experts = any("expert" in name or "router" in name for name in names)  # experts, or a router over them
     labelled_routed = block.values.get("mlp_activation") is ROUTED
     if labelled_routed != has_experts:
@@ -228,8 +229,8 @@ def _attention_problems(layer: int, values) -> list[str]:
 
 def _suspects(block, values) -> str:
     """Which values a failed identity points at, from the attention half where it can be checked alone."""
-    x, a, mid = values["layer_input"], values["mixer_output"], values.get("layer_mid")
-    if mid is None or block.formula != SEQUENTIAL:
+    x, a, mid = values["layer_input"], values.get("mixer_output"), values.get("layer_mid")
+    if mid is None or a is None or block.formula != SEQUENTIAL:
         return ("one of 'layer_input', 'self_attn.attention_output' (or 'mixer_output'), 'mlp.mlp_output', "
                 "'layer_output' is misplaced")
     if torch.equal(mid, x + a):
@@ -269,8 +270,9 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     for i, block in enumerate(model.get_submodule(family.layers)):
         spec = family.block(text_config, i)
         has_attention = isinstance(spec.resolve("attention_output"), At)  # not a hybrid's other blocks
-        places = {**({"the attention": family.attention} if has_attention else {}),
-                  **({"the MLP": family.mlp} if family.mlp else {}),
+        has_mlp = isinstance(spec.resolve("mlp_output"), At)  # not a recurrent block
+        places = {**({"the attention": family.attention} if has_attention and family.attention else {}),
+                  **({"the MLP": family.mlp} if family.mlp and has_mlp else {}),
                   **{f"'{name}'": location.path for name, location in {**spec.values, **spec.extra}.items()
                      if isinstance(location, At) and location.path}}
         for what, path in places.items():

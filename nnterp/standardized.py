@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
-from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot
+from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
 from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
@@ -98,11 +98,17 @@ def _architecture_of(config) -> type[PreTrainedModel]:
 
 
 def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwargs: dict) -> PreTrainedModel:
-    """The checkpoint's model, refused when the checkpoint left weights of its blocks out: those would be random,
-    and every value read from them noise (transformers only logs it)."""
+    """The checkpoint's model, refused when the checkpoint holds none of a block's weights: they would all be random,
+    and every value read from them noise (transformers only logs it). A few missing weights (a norm that a loading
+    option added to the checkpoint's architecture) are left to transformers' warning."""
     model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
-    missing = [key for key in info.get("missing_keys", ()) if key.startswith(family.layers + ".")]
-    if missing:
+    prefix = family.layers + "."
+    missing = {key for key in info.get("missing_keys", ()) if key.startswith(prefix)}
+    blocks: dict[str, set[str]] = {}
+    for key, _ in model.named_parameters():
+        if key.startswith(prefix):
+            blocks.setdefault(key[len(prefix):].partition(".")[0], set()).add(key)
+    if any(weights <= missing for weights in blocks.values()):
         raise ValueError(
             f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
             f"(e.g. {', '.join(sorted(missing)[:3])}), so they would be random. The checkpoint may keep them under "
@@ -180,8 +186,9 @@ class StandardizedTransformer(TransformersModel):
             envoys={
                 family.layers: LayersEnvoy,
                 f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
-                f"{family.layers}.*.{family.attention}": AttentionEnvoy,
-                **({f"{family.layers}.*.{family.mlp}": MLPEnvoy} if family.mlp else {}),
+                **({f"{family.layers}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
+                **({f"{family.layers}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
+                   if family.mlp else {}),
             },
             **({"dispatch": False, **from_pretrained_kwargs} if lazy else {}),
         )
@@ -191,15 +198,18 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
-        # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts)
+        # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts; None
+        # on a model without attention: a recurrent one)
         self._nnterp_heads = heads_per_layer(family, self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
-            block.mlp._nnterp_slot = slot
-            # a hybrid's other blocks have no attention: `self_attn` says why (BlockEnvoy), or, where their token
-            # mixer's native name is `self_attn` (Kimi-Linear's linear attention), its values do
+            # a block without an MLP (a recurrent one), or without attention (a hybrid's other blocks), has no such
+            # sublayer: `mlp` / `self_attn` say why (StandardEnvoy); where a hybrid's other token mixer is natively
+            # named `self_attn` (Kimi-Linear's linear attention), the values of `self_attn` say why
+            if isinstance(self._nnterp_structure[i].resolve("mlp_output"), At):
+                block.mlp._nnterp_slot = slot
             if isinstance(self._nnterp_structure[i].resolve("attention_output"), At) or _has_module(
                     block._module, "self_attn"):
                 block.self_attn._nnterp_slot = slot
@@ -266,7 +276,8 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def num_heads(self) -> int:
-        """The config's number of attention heads (the global one, where layers have their own: ``num_heads_of``)."""
+        """The config's number of attention heads (the global one, where layers have their own: ``num_heads_of``;
+        None on a model without attention)."""
         return _global(self._nnterp_text_config, "num_attention_heads")
 
     def num_heads_of(self, layer: int) -> int:
@@ -288,11 +299,16 @@ class StandardizedTransformer(TransformersModel):
         if family.stream_readout:
             hidden = self._module.get_submodule(family.stream_readout)(hidden)
         norm_weight = getattr(self.ln_final._module, "weight", None)
-        if norm_weight is not None and hidden.dtype != norm_weight.dtype:
+        if family.before_final_norm:
+            hidden = family.before_final_norm(hidden, self._module)
+        elif norm_weight is not None and hidden.dtype != norm_weight.dtype:
             hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
         normed = self.ln_final(hidden)
         if family.head_input_transform:
             normed = family.head_input_transform(normed, self._module.config)
+        head_weight = getattr(self.lm_head._module, "weight", None)
+        if head_weight is not None and normed.dtype != head_weight.dtype:
+            normed = normed.to(head_weight.dtype)  # a float32 stream normed in float32 (Mamba's): cast for the head
         logits = self.lm_head(normed)
         if family.vocab_projection:
             logits = self._module.get_submodule(family.vocab_projection)(logits)
@@ -556,8 +572,8 @@ def _has_module(module: torch.nn.Module, path: str) -> bool:
 def _global(config, name: str):
     """``config.<name>``, the global value where the config's layers override it (a heterogeneous config)."""
     if getattr(config, "is_heterogeneous", False):
-        return config._getattr_without_heterogeneous_validation(name)
-    return getattr(config, name)
+        return config._getattr_without_heterogeneous_validation(name, None)
+    return getattr(config, name, None)
 
 
 def heads_per_layer(family: Family, config, num_layers: int) -> tuple[int, ...]:
@@ -570,7 +586,7 @@ def heads_per_layer(family: Family, config, num_layers: int) -> tuple[int, ...]:
         return tuple(listed)
     if "num_attention_heads" in (getattr(config, "per_layer_attributes", None) or ()):
         return tuple(config.per_layer_config[i].num_attention_heads for i in range(num_layers))
-    return (config.num_attention_heads,) * num_layers
+    return (getattr(config, "num_attention_heads", None),) * num_layers  # None: a recurrent model
 
 
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one

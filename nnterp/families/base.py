@@ -68,8 +68,12 @@ class Family:
     layers: str  # the ModuleList of blocks, from the *ForCausalLM root
     embed_tokens: str
     ln_final: str
-    attention: str  # the attention module, relative to a block
-    mlp: str | None  # the MLP module, relative to a block; None where its layers sit on the block
+    attention: str | None  # the attention module, relative to a block; None where no block has one (recurrent)
+    # the MLP module, relative to a block; None where its layers sit on the block (OPT), or where no block has an
+    # MLP (a block with no MLP has its MLP values unavailable: then ``layers[i].mlp`` is, with their reason).
+    # ``attention`` and ``mlp`` name the same module where it is the attention on some blocks and the MLP on others
+    # (Nemotron-H's ``mixer``): ``sublayer_classes`` then says which by the module's class
+    mlp: str | None
     block: Callable[[PretrainedConfig, int], Block]
     tiny_config: Callable[[], PretrainedConfig]
     lm_head: str = "lm_head"
@@ -94,6 +98,9 @@ class Family:
     # where the head is several modules: the one the model runs after ``lm_head`` to project on the vocabulary
     # (ModernBERT-decoder's ``decoder``, after its prediction head ``lm_head``)
     vocab_projection: str | None = None
+    # what the model does to the last block's output before the final norm, given the stream and the causal LM
+    # module (None: a stream of another dtype than the norm's weight is cast to it, as ZAYA's model does)
+    before_final_norm: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor] | None = None
     # the configurations whose blocks differ, for the documentation: (label, changes to the tiny config),
     # the test config first with no changes; empty where every config of the family has the same blocks
     variants: tuple[tuple[str, dict], ...] = ()
@@ -101,22 +108,27 @@ class Family:
     # (an image-text checkpoint keeps its text model under a prefix): (pattern, replacement) pairs that loading by
     # name passes as ``key_mapping``
     checkpoint_keys: tuple[tuple[str, str], ...] = ()
+    # {module class: "self_attn" or "mlp"} (a function giving it, imported when asked): where one native name holds
+    # a different sublayer from block to block, the standard name binds by the class of the module a block holds
+    sublayer_classes: Callable[[], dict[type, str]] | None = None
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""
         spec = self.attention_internals
         return spec if isinstance(spec, (EagerAttention, Unavailable)) else spec(config)
 
-    def rename(self) -> dict[str, str | list[str]]:
+    def rename(self) -> dict[str | type, str | list[str]]:
         """nnsight aliases that give every family the same module names (``model.layers`` too: the backbone
         is ``model`` on every family, and its blocks ``model.layers``)."""
-        names: dict[str, str | list[str]] = {
+        shared = self.attention == self.mlp  # one native name, a different sublayer per block: bound by class
+        names: dict[str | type, str | list[str]] = {
             self.layers: "layers",
             self.embed_tokens: "embed_tokens",
             self.ln_final: "ln_final",
-            self.attention: "self_attn",
+            **({self.attention: "self_attn"} if self.attention and not shared else {}),
             self.lm_head: "lm_head",
-            **({self.mlp: "mlp"} if self.mlp else {}),
+            **({self.mlp: "mlp"} if self.mlp and not shared else {}),
+            **(self.sublayer_classes() if self.sublayer_classes else {}),
         }
         backbone, _, last = self.layers.rpartition(".")
         top = backbone.partition(".")[0]
