@@ -20,12 +20,11 @@ CATEGORIES: dict[str, str] = {
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
     "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
-    "new shape: topology": "Needs a new shape: a block that is not one attention and one MLP sublayer.",
+    "new shape: topology": "Needs a new shape: a block that is not one token mixer and one MLP, or blocks that run "
+                           "more than once per pass.",
     "new shape: formula": "Needs a new shape: a residual formula whose terms are not at module boundaries.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
-    "not yet": "An existing shape with renamed paths or a small variant: served once its spec is written and "
-               "proven (see register_family to serve it yourself meanwhile).",
 }
 
 _BERT = ("encoder", "BERT-style encoder blocks (attention, intermediate, output), norms after the adds")
@@ -73,27 +72,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                        "and values"),
     "gemma4_unified_assistant": ("multimodal", "a speculative-decoding assistant: its layers read the target model's "
                                                "keys and values"),
-    "gemma4": ("not yet", "Gemma-4 blocks at model.language_model; its default config varies per layer, which the "
-                          "miniature does not shrink yet"),
-    "gemma4_unified": ("not yet", "Gemma-4 blocks without per-layer inputs at model.language_model; its config "
-                                  "varies per layer, which the miniature does not shrink yet"),
-    "gemma4_unified_text": ("not yet", "Gemma-4 blocks without per-layer inputs; its config varies per layer, which "
-                                       "the miniature does not shrink yet"),
-    "modernbert-decoder": ("not yet", "the Llama block (attn_norm / attn / mlp_norm / mlp) with a head of several "
-                                      "modules"),
-    "inkling_text": ("not yet", "the Llama block with contributions read after short convolutions (attn_sconv, "
-                                "mlp_sconv)"),
-    "dbrx": ("not yet", "norm_attn_norm (norm, attention, norm, returning the residual and the normed stream) and "
-                        "a routed ffn; its sizes live in nested attn_config / ffn_config, which the miniature does "
-                        "not shrink yet"),
-    **{t: ("not yet", "linear-attention layers among latent-attention ones, both at self_attn, with a routed MLP: "
-                      "the proof passes on the Mixtral block, but its miniature's linear attention runs about 14 s "
-                      "per forward on a CPU, too slow for the suite that proves every served type")
-       for t in ("kimi_linear", "bailing_hybrid")},
-    "dots3_note": ("not yet", "a routed block with gated latent attention; its per-layer configs (heads per "
-                              "layer) are not shrunk into a miniature yet"),
-    "dots3_note_text": ("not yet", "a routed block with gated latent attention; its per-layer configs (heads per "
-                                   "layer) are not shrunk into a miniature yet"),
 }
 
 

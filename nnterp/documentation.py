@@ -127,13 +127,15 @@ def family_page(family: Family) -> str:
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
              f"| `layers[i].self_attn` | {_attention_module(family)} |",
              f"| `layers[i].mlp` | {_mlp_module(family)} |", ""]
-    if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm:
+    if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
+            or family.vocab_projection:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")
                   + ("what the model does to the last block's output, then " if family.before_final_norm else "")
                   + "the final norm" + (", the family's transform of the normed stream"
                                         if family.head_input_transform else "")
-                  + " and the head" + (", then the family's transform of the logits"
+                  + " and the head" + (f" and `{family.vocab_projection}`" if family.vocab_projection else "")
+                  + (", then the family's transform of the logits"
                                        if family.logits_transform else "") + ".", ""]
     found = shapes(family)
     for shape in found:

@@ -4,6 +4,12 @@ Validation proves a family spec on it instead of on the real weights. Every opti
 shapes a block (parallel flags, norms, biases, layer types, which layers are mixtures of
 experts, GQA ratio, per-block lists) is kept; only sizes shrink. The layer count is kept too,
 so each block type of the model is there.
+
+Heterogeneous configs are shrunk too: a config whose layers override some attributes
+(``per_layer_config``) keeps its overrides, each scaled as its global value was (a layer with
+twice the global head size keeps twice the miniature's); per-layer lists of head counts and
+secondary attention shapes (``swa_num_attention_heads``, ...) keep their ratios; nested
+sub-configs (DBRX's ``attn_config`` / ``ffn_config``) follow their model's sizes.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ HEAD_DIM = 8
 # size attribute -> the miniature's value (only where the config has the attribute set)
 SIZES = {
     "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
+    "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32, "vocab_size": 256, "q_lora_rank": 16, "kv_lora_rank": 16,
     "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM,
     "o_lora_rank": 8, "index_head_dim": 8, "index_n_heads": 2, "router_hidden_size": 8, "rotary_dim": 4,
     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 256,
     # the other token mixers of hybrids: Mamba's state and step rank, linear attention's heads
     "mamba_d_state": 8, "mamba_dt_rank": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
+    "linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "ffn_hidden_size": 64,
     # widened streams' mixing rank, per-layer n-gram embeddings and the token selector's heads (Qwen4-Exp)
     "hc_lowrank": 8, "ngram_vocab_size_base": 1000, "ple_embed_dim": 16, "indexer_head_dim": HEAD_DIM,
     "indexer_n_heads": 2,
@@ -34,7 +41,8 @@ SIZES = {
 }
 # a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
 RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
@@ -43,8 +51,42 @@ def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
     mini = copy.deepcopy(config)
     parts = (mini, mini.get_text_config(), getattr(mini, "vision_config", None), getattr(mini, "audio_config", None))
     for part in {id(c): c for c in parts if c}.values():
-        _shrink(part, language_model=part is mini.get_text_config())
+        _shrink_heterogeneous(part, language_model=part is mini.get_text_config())
     return mini
+
+
+def _shrink_heterogeneous(config: PretrainedConfig, language_model: bool = True) -> None:
+    """Shrink ``config``; a heterogeneous one is shrunk as a homogeneous one, then given back its per-layer
+    overrides, scaled as their global values were."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return _shrink(config, language_model)
+    overrides = copy.deepcopy(spec.per_layer_overrides)
+    config.per_layer_config = None
+    before = {name: getattr(config, name, None) for layer in overrides.values() for name in (*layer, "num_attention_heads")}
+    _shrink(config, language_model)
+    config.per_layer_config = {i: _scaled(layer, before, config) for i, layer in overrides.items()}
+
+
+def _scaled(layer: dict, before: dict, config: PretrainedConfig) -> dict:
+    """One layer's overrides shrunk as the globals were: sizes in proportion, key-value heads by the layer's
+    own GQA ratio."""
+    scaled = {}
+    for name, value in layer.items():
+        old, new = before.get(name), getattr(config, name, None)
+        if _is_int(value) and _is_int(old) and _is_int(new) and old and new != old and name not in KV_HEADS:
+            value = max(1, round(value * new / old))
+        scaled[name] = value
+    for name in KV_HEADS:
+        heads = layer.get("num_attention_heads", before["num_attention_heads"])
+        if layer.get(name) and heads:
+            shrunk = scaled.get("num_attention_heads", config.num_attention_heads)
+            scaled[name] = max(1, shrunk // max(1, heads // layer[name]))
+    return scaled
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _set(config: PretrainedConfig, name: str, value) -> None:
@@ -58,13 +100,23 @@ def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
     if heads:
         config.num_attention_heads = HEADS
-        for name in ("num_key_value_heads", "num_kv_heads"):  # Falcon says num_kv_heads
-            kv = getattr(config, name, None)
-            if kv:  # keep the number of query heads per key-value head (GQA / MQA)
-                setattr(config, name, max(1, HEADS // max(1, heads // kv)))
+        _shrink_kv_heads(config, heads, config)  # Falcon says num_kv_heads
         if getattr(config, "head_dim", None):
             _set(config, "head_dim", HEAD_DIM)
         config.hidden_size = HEADS * HEAD_DIM
+        per_layer = getattr(config, "num_attention_heads_per_layer", None)
+        if isinstance(per_layer, (list, tuple)):  # per-layer head counts, in proportion to the global one
+            config.num_attention_heads_per_layer = [max(1, round(n * HEADS / heads)) for n in per_layer]
+    for name in [key for key in vars(config) if key.endswith("_num_attention_heads")]:
+        # a secondary attention shape (inkling's sliding-window layers: swa_num_attention_heads, ...)
+        prefix, secondary = name[: -len("num_attention_heads")], getattr(config, name)
+        if _is_int(secondary) and secondary:
+            setattr(config, name, max(1, round(secondary * HEADS / (heads or secondary))))
+            kv = getattr(config, prefix + "num_key_value_heads", None)
+            if _is_int(kv) and kv:
+                setattr(config, prefix + "num_key_value_heads", max(1, getattr(config, name) // max(1, secondary // kv)))
+            if getattr(config, prefix + "head_dim", None):
+                setattr(config, prefix + "head_dim", HEAD_DIM)
     width = getattr(config, "attention_hidden_size", None)
     if heads and hidden and width:  # Zamba's shared transformer reads the stream and the embeddings side by side
         config.attention_hidden_size = width // hidden * config.hidden_size
@@ -102,11 +154,40 @@ def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     if getattr(config, "qk_rope_head_dim", None) and getattr(config, "qk_nope_head_dim", None):  # MLA
         _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
         _set(config, "head_dim", config.qk_rope_head_dim)
+    for name, sub in list(vars(config).items()) if heads else ():  # a model's own sub-configs (DBRX's attn_config)
+        if isinstance(sub, PretrainedConfig) and not name.endswith(("text_config", "vision_config", "audio_config")):
+            _shrink_sub(sub, config, heads)
     vocab = getattr(config, "vocab_size", None)
     for name in TOKEN_IDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and vocab and value >= vocab:
             setattr(config, name, vocab - 1)
+
+
+def _shrink_kv_heads(config: PretrainedConfig, heads: int, model: PretrainedConfig) -> None:
+    """Key-value head counts of ``config`` shrunk with the model's query heads, keeping the number of query heads
+    per key-value head (GQA / MQA)."""
+    for name in KV_HEADS:
+        kv = getattr(config, name, None)
+        if _is_int(kv) and kv:
+            setattr(config, name, max(1, model.num_attention_heads // max(1, heads // kv)))
+
+
+def _shrink_sub(sub: PretrainedConfig, model: PretrainedConfig, heads: int | None) -> None:
+    """A sub-config of a model's blocks: its sizes shrunk, its width the model's, its key-value heads in the
+    model's ratio."""
+    if getattr(sub, "hidden_size", None):
+        sub.hidden_size = model.hidden_size
+    if heads:
+        _shrink_kv_heads(sub, heads, model)
+    for name, size in SIZES.items():
+        if getattr(sub, name, None):
+            setattr(sub, name, size)
+    for name in EXPERT_COUNTS:
+        if getattr(sub, name, None):
+            setattr(sub, name, min(getattr(sub, name), 4))
+    if getattr(sub, "moe_top_k", None):
+        sub.moe_top_k = min(sub.moe_top_k, 2)
 
 
 def _shrink_recurrent(config: PretrainedConfig) -> None:

@@ -92,24 +92,24 @@ class ValidationError(NNterpError):
     """The family spec does not hold on this model's architecture."""
 
 
-def _expected_dims(model, name: str) -> tuple[int | None, ...]:
-    """The shape a value must have for the validation input ``[1, SEQ]`` (None: any size)."""
-    hidden = model.hidden_size
+def _expected_dims(model, layer: int, name: str) -> tuple[int | None, ...]:
+    """The shape a value of block ``layer`` must have for the validation input ``[1, SEQ]`` (None: any size)."""
+    hidden, heads = model.hidden_size, model.num_heads_of(layer)
     if name == "attention_premix":
-        return (1, SEQ, model.num_heads, None)
+        return (1, SEQ, heads, None)
     if name in ("mlp_activation", "mlp_neurons"):
         return (1, SEQ, None)
     if name == "queries":
-        return (1, SEQ, model.num_heads, None)
+        return (1, SEQ, heads, None)
     if name in ("keys", "values"):
         return (1, SEQ, None, None)
     if name in ("attention_scores", "attention_probabilities"):
-        return (1, model.num_heads, SEQ, None)
+        return (1, heads, SEQ, None)
     return (1, SEQ, hidden)  # the stream may also be [1, SEQ, streams, hidden]: see _shape_problem
 
 
-def _shape_problem(model, name: str, shape: tuple[int, ...]) -> str | None:
-    expected = _expected_dims(model, name)
+def _shape_problem(model, layer: int, name: str, shape: tuple[int, ...]) -> str | None:
+    expected = _expected_dims(model, layer, name)
     if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 4:
         expected = (1, SEQ, None, model.hidden_size)  # parallel streams
     if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 3 and shape[-1] % model.hidden_size == 0:
@@ -172,7 +172,7 @@ def problems_of(model) -> list[str]:
     for i, values in enumerate(read_blocks(model, ids)):
         for value in CATALOG:
             if value.name in values:
-                problem = _shape_problem(model, value.name, tuple(values[value.name].shape))
+                problem = _shape_problem(model, i, value.name, tuple(values[value.name].shape))
                 if problem:
                     problems.append(f"layer {i}: '{value.key}' {problem}")
         if problems:
@@ -261,7 +261,7 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
                             f"(modules there: {children or 'none'})")
             return False
 
-    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout"):
+    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout", "vocab_projection"):
         if getattr(family, what):
             check(what, getattr(family, what), model)
     if problems:

@@ -198,17 +198,20 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
-        # read on every value: kept (None on a model without attention: a recurrent one)
-        self._nnterp_num_heads = getattr(self._nnterp_text_config, "num_attention_heads", None)
+        # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts; None
+        # on a model without attention: a recurrent one)
+        self._nnterp_heads = heads_per_layer(family, self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
             block._nnterp_slot = slot
             # a block without an MLP (a recurrent one), or without attention (a hybrid's other blocks), has no such
-            # sublayer: `mlp` / `self_attn` say why (StandardEnvoy)
+            # sublayer: `mlp` / `self_attn` say why (StandardEnvoy); where a hybrid's other token mixer is natively
+            # named `self_attn` (Kimi-Linear's linear attention), the values of `self_attn` say why
             if isinstance(self._nnterp_structure[i].resolve("mlp_output"), At):
                 block.mlp._nnterp_slot = slot
-            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At):
+            if isinstance(self._nnterp_structure[i].resolve("attention_output"), At) or _has_module(
+                    block._module, "self_attn"):
                 block.self_attn._nnterp_slot = slot
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
@@ -233,7 +236,8 @@ class StandardizedTransformer(TransformersModel):
                  f"Standard names ({family.name} family, {self.num_layers} blocks):",
                  f"  model.layers[i] = {family.layers}[i]",
                  f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
-                 f"model.lm_head = {family.lm_head}"]
+                 f"model.lm_head = {family.lm_head}"
+                 + (f" (then {family.vocab_projection}, the projection on the vocabulary)" if family.vocab_projection else "")]
         groups: dict[tuple, list[int]] = {}
         for i in range(self.num_layers):
             table = self.availability(i)
@@ -272,7 +276,13 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def num_heads(self) -> int:
-        return self._nnterp_num_heads
+        """The config's number of attention heads (the global one, where layers have their own: ``num_heads_of``;
+        None on a model without attention)."""
+        return _global(self._nnterp_text_config, "num_attention_heads")
+
+    def num_heads_of(self, layer: int) -> int:
+        """The number of attention heads of block ``layer`` (the views per head split by it)."""
+        return self._nnterp_heads[layer]
 
     @property
     def vocab_size(self) -> int:
@@ -300,6 +310,8 @@ class StandardizedTransformer(TransformersModel):
         if head_weight is not None and normed.dtype != head_weight.dtype:
             normed = normed.to(head_weight.dtype)  # a float32 stream normed in float32 (Mamba's): cast for the head
         logits = self.lm_head(normed)
+        if family.vocab_projection:
+            logits = self._module.get_submodule(family.vocab_projection)(logits)
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits
@@ -426,7 +438,7 @@ class StandardizedTransformer(TransformersModel):
         try:
             if plain:  # the module's own tensor, no view or copy: what raw nnsight reads, as directly
                 return location._raw(envoy)
-            return location.read(block, self._nnterp_num_heads, envoy)
+            return location.read(block, self._nnterp_heads[layer], envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
@@ -449,7 +461,7 @@ class StandardizedTransformer(TransformersModel):
         block = self.layers[layer]
         self._begin_pass(block)
         try:
-            return location.read(block, self.num_heads)
+            return location.read(block, self._nnterp_heads[layer])
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key or location.describe(), error) from None
 
@@ -485,7 +497,7 @@ class StandardizedTransformer(TransformersModel):
         location, key, block, envoy, _ = self._resolved(layer, name)
         self._begin_pass(block)
         try:
-            location.write(block, value, self.num_heads, key, envoy)
+            location.write(block, value, self._nnterp_heads[layer], key, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
 
@@ -547,6 +559,34 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+def _has_module(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _global(config, name: str):
+    """``config.<name>``, the global value where the config's layers override it (a heterogeneous config)."""
+    if getattr(config, "is_heterogeneous", False):
+        return config._getattr_without_heterogeneous_validation(name, None)
+    return getattr(config, name, None)
+
+
+def heads_per_layer(family: Family, config, num_layers: int) -> tuple[int, ...]:
+    """Each block's number of attention heads: the family's count per block, the config's list per layer or a
+    heterogeneous config's layer's own, else the config's."""
+    if family.heads:
+        return tuple(family.heads(config, i) for i in range(num_layers))
+    listed = getattr(config, "num_attention_heads_per_layer", None)  # Laguna
+    if isinstance(listed, (list, tuple)) and len(listed) == num_layers:
+        return tuple(listed)
+    if "num_attention_heads" in (getattr(config, "per_layer_attributes", None) or ()):
+        return tuple(config.per_layer_config[i].num_attention_heads for i in range(num_layers))
+    return (getattr(config, "num_attention_heads", None),) * num_layers  # None: a recurrent model
 
 
 SMALL_ENOUGH_TO_RUN = 200_000_000  # parameters: a real two-token forward is cheaper than a fake one

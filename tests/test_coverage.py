@@ -13,6 +13,7 @@ from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
 from .test_multimodal import CASES as MULTIMODAL_CASES
 from .test_multimodal import TEXT_TYPES
+from .test_notyet import CASES as NOTYET_CASES
 from .test_recurrent import CASES as RECURRENT_CASES
 from .test_streams import SERVED as STREAM_TYPES
 from .test_topology import CASES as TOPOLOGY_CASES
@@ -43,6 +44,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= set(STREAM_TYPES)
     cased |= {model_type for model_type, *_ in MULTIMODAL_CASES.values()} | set(TEXT_TYPES.values())  # test_multimodal.py
     cased |= set(TOPOLOGY_CASES)  # tests/test_topology.py: its cases are named by model type
+    cased |= {model_type for model_type, *_ in NOTYET_CASES.values()}  # test_notyet.py
     cased |= {model_type for model_type, *_ in RECURRENT_CASES.values()}  # test_recurrent.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more

@@ -24,10 +24,11 @@ from .beam import BEAM
 from .biogpt import BIOGPT, XGLM
 from .bloom import BLOOM
 from .ctrl import CTRL
+from .dbrx import DBRX
 from .deepseek_v4 import DEEPSEEK_V4
 from .falcon import FALCON
 from .gated import DOGE, ZAYA
-from .gemma4 import GEMMA4
+from .gemma4 import GEMMA4, GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL
 from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
@@ -47,8 +48,11 @@ from .hybrid import (
     QWEN3_5_MOE,
     QWEN3_NEXT,
 )
+from .inkling import INKLING
+from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
+from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
 from .multimodal import MULTIMODAL
@@ -76,6 +80,8 @@ FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is
 FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/test_topology.py)
 FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H,  # recurrent: no attention adds to the stream
              ZAMBA, ZAMBA2)  # (tests/test_recurrent.py)
+FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX, MODERNBERT_DECODER,
+             INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
@@ -90,7 +96,8 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "Granite": ("granite_swa",),  # its eager attention adds sinks its own way: the attention internals are refused
     "Qwen2-MoE": ("flint",),  # the same
     "Mixtral": ("aria_text", "ernie4_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open",
-                "hy_v3", "mimo_v2_flash", "laguna"),  # dense layers named by mlp_layer_types; laguna gates its attention
+                "hy_v3", "mimo_v2_flash", "laguna",  # dense layers named by mlp_layer_types; laguna gates its attention
+                "dots3_note", "dots3_note_text"),  # gated latent attention, heads per layer
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
                     "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2"),
 }

@@ -92,6 +92,12 @@ class Family:
     logits_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
     # what the model does to the normed stream before the head (MiniCPM3 divides it by logits_scaling)
     head_input_transform: Callable[[torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+    # the number of query heads of block i, where the layers' attentions differ (Inkling's sliding-window layers);
+    # None: the config's per-layer values where it has them (``per_layer_config``, ``num_attention_heads_per_layer``)
+    heads: Callable[[PretrainedConfig, int], int] | None = None
+    # where the head is several modules: the one the model runs after ``lm_head`` to project on the vocabulary
+    # (ModernBERT-decoder's ``decoder``, after its prediction head ``lm_head``)
+    vocab_projection: str | None = None
     # what the model does to the last block's output before the final norm, given the stream and the causal LM
     # module (None: a stream of another dtype than the norm's weight is cast to it, as ZAYA's model does)
     before_final_norm: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor] | None = None

@@ -11,12 +11,17 @@ output is broadcast into every stream:
 The attention has no ``o_proj``: the heads go through the grouped ``o_a_proj`` and then
 ``o_b_proj``; ``attention_premix`` is ``o_a_proj``'s input viewed per head. The MLP is a routed
 mixture (top-k or hash routing).
+
+On a compressed attention layer (``compressed_sparse_attention``, ``heavily_compressed_attention``)
+a compressor pools the stream into extra key-value entries that join the window's keys: the key
+axis there is the window's positions followed by the pooled entries, so ``keys``, ``values``, the
+scores and the probabilities over them are unavailable on those layers (``queries`` stay).
 """
 
 import torch
 from transformers import DeepseekV4Config
 
-from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, input, output, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, Unavailable, input, output, pre_norm_block
 
 FORMULA = ("layer_mid = attn_post[..., None] * attention_output[..., None, :] + attn_comb^T @ layer_input; "
            "layer_output = ffn_post[..., None] * mlp_output[..., None, :] + ffn_comb^T @ layer_mid "
@@ -28,6 +33,12 @@ def _mix(post, comb, branch, streams):
     return post.to(dtype).unsqueeze(-1) * branch.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
+_COMPRESSED = Unavailable(
+    "a compressed attention layer: its keys and values are the window's positions followed by the entries its "
+    "compressor pools from the stream, so they, and the scores and probabilities over them, have no key axis of "
+    "token positions")
+
+
 def _block(config, i):
     base = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_a_proj",
@@ -35,8 +46,10 @@ def _block(config, i):
         layer_mid=input("ffn_hc", shared=True), mlp_norm_output=output("post_attention_layernorm"),
         mlp_activation=ROUTED, mlp_neurons=ROUTED,
     )
+    compressed = config.layer_types[i] != "sliding_attention"
+    over_keys = ("keys", "values", "attention_scores", "attention_probabilities")
     return Block(
-        values=base.values,
+        values={**base.values, **(dict.fromkeys(over_keys, _COMPRESSED) if compressed else {})},
         formula=FORMULA,
         combine=lambda t, _: _mix(t["ffn_post"], t["ffn_comb"], t["mlp_output"], _mix(
             t["attn_post"], t["attn_comb"], t["attention_output"], t["layer_input"])),

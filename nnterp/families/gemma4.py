@@ -8,9 +8,16 @@ where the contributions are the outputs of ``post_attention_layernorm`` and
 ``layer_output`` is not ``layer_input`` plus the contributions. With ``enable_moe_block`` the
 MLP contribution is the dense MLP and the experts together, so the dense MLP's activation
 is not the block's: ``mlp_activation`` and ``mlp_neurons`` are unavailable.
+
+The same blocks serve the image-text type of Gemma-4 checkpoints (``gemma4``, its text decoder at
+``model.language_model``) and Gemma-4-Unified (``gemma4_unified_text``, and ``gemma4_unified`` at
+``model.language_model``), whose blocks have no per-layer input and no experts. Their default
+configs give the full-attention layers their own head size (``per_layer_config``).
 """
 
-from transformers import Gemma4TextConfig
+import dataclasses
+
+from transformers import Gemma4Config, Gemma4TextConfig, Gemma4UnifiedConfig, Gemma4UnifiedTextConfig
 
 from .base import MODEL_LAYERS, ROUTED, Block, Family, output, pre_norm_block, softcap_logits
 
@@ -18,7 +25,7 @@ _SCALED = "layer_output = (layer_input + attention_output + mlp_output{ple}) * l
 
 
 def _block(config, i):
-    ple = bool(config.hidden_size_per_layer_input)
+    ple = bool(getattr(config, "hidden_size_per_layer_input", 0))  # Gemma-4-Unified has no per-layer input
     moe = bool(getattr(config, "enable_moe_block", False))
     base = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
@@ -58,3 +65,19 @@ GEMMA4 = Family(
               ("`enable_moe_block=False`, no per-layer input",
                {"enable_moe_block": False, "hidden_size_per_layer_input": 0})),
 )
+
+# the image-text classes: the same blocks under model.language_model, the same softcapped head
+_LANGUAGE_MODEL = dict(layers="model.language_model.layers", embed_tokens="model.language_model.embed_tokens",
+                       ln_final="model.language_model.norm")
+GEMMA4_MULTIMODAL = dataclasses.replace(
+    GEMMA4, name="Gemma-4 (image-text)", model_types=("gemma4",), **_LANGUAGE_MODEL, variants=(),
+    tiny_config=lambda: Gemma4Config(text_config=GEMMA4.tiny_config().to_dict()))
+GEMMA4_UNIFIED = dataclasses.replace(
+    GEMMA4, name="Gemma-4-Unified", model_types=("gemma4_unified_text",), variants=(),
+    tiny_config=lambda: Gemma4UnifiedTextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, head_dim=16, global_head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], final_logit_softcapping=30.0))
+GEMMA4_UNIFIED_MULTIMODAL = dataclasses.replace(
+    GEMMA4_UNIFIED, name="Gemma-4-Unified (image-text)", model_types=("gemma4_unified",), **_LANGUAGE_MODEL,
+    tiny_config=lambda: Gemma4UnifiedConfig(text_config=GEMMA4_UNIFIED.tiny_config().to_dict()))
