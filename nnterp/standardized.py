@@ -144,11 +144,11 @@ class StandardizedTransformer(TransformersModel):
         lazy = isinstance(model, (str, os.PathLike)) and not dispatch
         if isinstance(model, (str, os.PathLike)):
             config, architecture, tokenizer, validated = _prepare(model, tokenizer, validate, from_pretrained_kwargs)
-            keys = family_of(config, architecture.__name__).checkpoint_keys
-            if keys:  # the user's own key_mapping, if any, wins
-                from_pretrained_kwargs = {"key_mapping": dict(keys), **from_pretrained_kwargs}
+            family = family_of(config, architecture.__name__)
+            if family.checkpoint_keys:  # the user's own key_mapping, if any, wins
+                from_pretrained_kwargs = {"key_mapping": dict(family.checkpoint_keys), **from_pretrained_kwargs}
             if not lazy:
-                model = _load_whole(architecture, model, family_of(config, architecture.__name__), from_pretrained_kwargs)
+                model = _load_whole(architecture, model, family, from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
