@@ -305,7 +305,7 @@ def test_the_default_config_miniature_is_proven(model_type):
     # every block type within 8 layers; the default configs of Bamba, Granite-4.0-H (all Mamba) and LFM2 (all
     # attention) given both
     both = {"bamba": dict(attn_layer_indices=[1]), "lfm2": dict(layer_types=["conv", "full_attention"] * 4),
-            "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 4), "jamba": dict(use_mamba_kernels=False),
+            "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 4),
             "lfm3": dict(layer_types=["conv", "full_attention"] * 4),
             "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 4)}  # all Mamba: transformers fails
     config = CONFIG_MAPPING[model_type](num_hidden_layers=8, **both.get(model_type, {}))

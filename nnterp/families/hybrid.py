@@ -106,7 +106,7 @@ JAMBA = Family(
     # blocks 0 and 2 Mamba with experts, 1 attention, 3 Mamba
     tiny_config=lambda: JambaConfig(**_SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
                                     expert_layer_period=2, expert_layer_offset=0, num_experts=4, num_experts_per_tok=2,
-                                    mamba_d_state=8, use_mamba_kernels=False),
+                                    mamba_d_state=8),
 )
 BAMBA = Family(
     name="Bamba", model_types=("bamba",), **_FEED_FORWARD,

@@ -10,7 +10,7 @@ shared by every hybrid block) and a linear map run first; their output is added 
 the Mamba reads* (``mamba_decoder``: ``x + mamba(norm(x + t))``), never to the stream itself. So
 ``attention_norm_output`` is ``norm(x + t)`` there, and the attention's and the MLP's values, which
 would be contributions to the stream, are unavailable with the reason. The Mamba runs a pure-PyTorch
-scan where the kernels are not installed (``use_mamba_kernels=False``, CPU).
+scan where the kernels are not installed (CPU).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _zamba_block(shared: str):
 
 
 _SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, vocab_size=128, mamba_d_state=8,
-              use_mamba_kernels=False, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4)
+              layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4)
 
 ZAMBA = Family(
     name="Zamba", model_types=("zamba",), layers="model.layers", embed_tokens="model.embed_tokens",
