@@ -49,10 +49,17 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                              "(mid + mlps[1]) + mlp: one attention_output and one mlp_output per "
                                              "block cannot hold them"),
     "hrm_text": ("new shape: topology", "two stacks looped for several cycles: each block runs many times per pass"),
-    "gemma3n_text": ("new shape: streams", "AltUp's several predicted streams, a LAuReL branch and per-layer inputs"),
-    "inkling2_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs"),
-    "inkling2_loop_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs; looped layers"),
-    "reformer": ("new shape: streams", "reversible residuals over two half streams"),
+    "gemma3n_text": ("new shape: streams", "AltUp: each block predicts its streams from the incoming ones by learned "
+                                           "mixings, runs attention and the MLP on one of them (with a LAuReL branch, "
+                                           "adds scaled by 1/sqrt(2)), corrects every stream from the result and adds "
+                                           "per-layer inputs: layer_output is not layer_input plus contributions"),
+    "inkling2_text": ("new shape: streams", "each sublayer reads a learned mix of earlier blocks' outputs "
+                                            "(block_states), and on a block boundary the stream restarts from the "
+                                            "attention's output without the incoming stream: no identity holds there"),
+    "inkling2_loop_text": ("new shape: streams", "as inkling2_text (mixes of earlier blocks' outputs, streams that "
+                                                 "restart on block boundaries), with looped layers"),
+    "reformer": ("new shape: streams", "reversible residuals over two half streams, y1 = x1 + attention(x2), "
+                                       "y2 = x2 + feed_forward(y1), passed between blocks as two tensors"),
     "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
                                     "restarting from the normed stream plus the input section's output), with nGPT's "
                                     "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
