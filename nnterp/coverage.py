@@ -43,11 +43,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "longcat_flash": ("new shape: topology", "each block runs two attention-MLP pairs in sequence (self_attn[0], "
-                                             "mlps[0], self_attn[1], mlps[1], four adds to the stream) and adds a "
-                                             "routed MoE (mlp) of the first pair's normed stream last, "
-                                             "(mid + mlps[1]) + mlp: one attention_output and one mlp_output per "
-                                             "block cannot hold them"),
     "hrm_text": ("new shape: topology", "two stacks looped for several cycles: each block runs many times per pass"),
     "gemma3n_text": ("new shape: streams", "AltUp's several predicted streams, a LAuReL branch and per-layer inputs"),
     "inkling2_text": ("new shape: streams", "each sublayer reads a mix of earlier blocks' outputs"),
