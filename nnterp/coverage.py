@@ -51,9 +51,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
                                     "restarting from the normed stream plus the input section's output), with nGPT's "
                                     "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
-    "cpmant": ("new shape: formula", "the model prepends prompt_length learned prompt positions to the stream and "
-                                     "drops them after the final norm, so position i of a block's values is not "
-                                     "token i (the blocks themselves add inside self_att / ffn sub-blocks)"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

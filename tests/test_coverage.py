@@ -15,6 +15,7 @@ from .test_hybrids import IMAGE_TEXT
 from .test_multimodal import CASES as MULTIMODAL_CASES
 from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
+from .test_prompt_prefix import CASES as PROMPT_PREFIX_CASES
 from .test_recurrent import CASES as RECURRENT_CASES
 from .test_streams import SERVED as STREAM_TYPES
 from .test_topology import CASES as TOPOLOGY_CASES
@@ -48,6 +49,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= {model_type for model_type, *_ in NOTYET_CASES.values()}  # test_notyet.py
     cased |= {model_type for model_type, *_ in RECURRENT_CASES.values()}  # test_recurrent.py
     cased |= {model_type for model_type, *_ in DUAL_PAIR_CASES.values()}  # test_dual_pair.py
+    cased |= {model_type for model_type, *_ in PROMPT_PREFIX_CASES.values()}  # test_prompt_prefix.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)
