@@ -153,6 +153,36 @@ def test_gradients_are_autograd_s_on_the_token_positions():
         assert torch.equal(grad, expected), name
 
 
+def test_skipping_a_block_hands_on_its_input_as_a_hook_does():
+    from nnterp import skip_layers
+
+    model, hf, prompt = make()
+    with torch.no_grad(), model.trace(IDS):
+        skip_layers(model, LAYER)
+        logits = model.logits.save()
+    handle = hf.base_model_blocks[LAYER].register_forward_hook(lambda m, args, out: (args[0], None))
+    try:
+        with torch.no_grad():
+            expected = hf(input_ids=IDS).logits
+    finally:
+        handle.remove()
+    assert torch.equal(logits, expected)
+    with torch.no_grad(), model.trace(IDS):  # a stream on the tokens, given: the prompt positions stay the model's
+        skip_layers(model, LAYER, stream=model.layers[0].layer_input * 2)
+        given = model.logits.save()
+    stream = {}
+    handles = [hf.base_model_blocks[0].register_forward_pre_hook(lambda m, args: stream.update(x=args[0])),
+               hf.base_model_blocks[LAYER].register_forward_hook(lambda m, args, out: (torch.cat(
+                   (args[0][:, :prompt], stream["x"][:, prompt:] * 2), dim=1), None))]
+    try:
+        with torch.no_grad():
+            expected = hf(input_ids=IDS).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(given, expected) and not torch.equal(given, logits)
+
+
 def test_attention_internals_unavailable_with_the_reason():
     model, *_ = make()
     assert "its own code" in model.availability(0)["self_attn.attention_probabilities"].reason

@@ -14,9 +14,10 @@ then ``ffn`` (``layernorm_before_ffn``, ``ffn``, its own add): the sequential id
 ``ffn`` is called with. The attention computes its scores in its own code.
 """
 
+import torch
 from transformers import CpmAntConfig
 
-from .base import OWN_ATTENTION, Family, input, output, pre_norm_block, stream_and_none
+from .base import OWN_ATTENTION, Family, input, output, pre_norm_block
 
 
 def _block(config, i):
@@ -40,11 +41,18 @@ def _block(config, i):
     )
 
 
+def _skipped(stream, block):
+    """What a skipped block returns: its input's prompt positions then ``stream`` on the tokens, and no attention
+    weights (the block returns ``(hidden, weights)``)."""
+    full = block.inputs[0][0]
+    return torch.cat((full[:, : full.shape[1] - stream.shape[1]], stream), dim=1), None
+
+
 CPMANT = Family(
     name="CPM-Ant", model_types=("cpmant",), layers="cpmant.encoder.layers", embed_tokens="cpmant.input_embedding",
     ln_final="cpmant.encoder.output_layernorm", attention="self_att.self_attention", mlp="ffn.ffn", block=_block,
     attention_internals=OWN_ATTENTION,
-    skip_output=stream_and_none,  # its blocks return (hidden, attention weights) and the encoder reads both
+    skip_output=_skipped,
     tiny_config=lambda: CpmAntConfig(
         vocab_size=128, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=3,
         position_bias_num_buckets=32, position_bias_max_distance=64, prompt_types=3, prompt_length=3,
