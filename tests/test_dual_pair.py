@@ -68,7 +68,7 @@ def test_every_value_between_the_stream_ends_is_unavailable_with_where_it_lives(
         if key.rpartition(".")[2] in ATTENTION_INTERNALS:
             assert "each block holds two attentions (self_attn[0] and [1])" in entry.reason, key
         elif key not in available:
-            assert "model.layers[1].self_attn[0] / [1], mlps[0] / [1]" in entry.reason, key
+            assert "model.layers[i].self_attn[0] / [1], mlps[0] / [1]" in entry.reason, key
     assert "three MLPs add to the stream" in table["mlp.mlp_output"].reason
     # the standard sublayers are the native modules (the list of both attentions, the shortcut MoE): neither stands
     # for one pair, and their values say why

@@ -7,10 +7,12 @@
     layer_output = ((((layer_input + attn0) + mlp0) + attn1) + mlp1) + shortcut
 
 One attention_output and one mlp_output per block cannot name two pairs and a shortcut, so every value between
-``layer_input`` and ``layer_output`` is unavailable, with where it lives natively; the identity is checked on the five
-contributions, read at their modules (``extra``). The standard ``self_attn`` is the native list of both attentions
-(its values say why they are unavailable) and ``mlp`` is the native shortcut MoE, whose standard values say why
-they are unavailable too: neither stands for one of the pairs.
+``layer_input`` and ``layer_output`` is unavailable, with where it lives natively. That includes
+``attention_norm_output``: two norms feed an attention (``input_layernorm[0]`` and ``[1]``), and naming the first
+would make it the first pair's value while the other values of that pair are unavailable. The identity is checked on
+the five contributions, read at their modules (``extra``). The standard ``self_attn`` is the native list of both
+attentions (its values say why they are unavailable) and ``mlp`` the native shortcut MoE, whose standard values say
+why they are unavailable too: neither stands for one of the pairs.
 """
 
 from transformers import LongcatFlashConfig
@@ -22,21 +24,24 @@ FORMULA = ("layer_output = ((((layer_input + attn0) + mlp0) + attn1) + mlp1) + s
            "post_attention_layernorm[0]'s output)")
 
 
-def _two_pairs(i: int, what: str) -> Unavailable:
+def _two_pairs(what: str) -> Unavailable:
     return Unavailable(
-        f"block {i} holds two attention-MLP pairs and a routed shortcut MoE, so {what}: read "
-        f"model.layers[{i}].self_attn[0] / [1], mlps[0] / [1], their norms input_layernorm[0] / [1] and "
-        f"post_attention_layernorm[0] / [1], and the shortcut mlp natively")
+        f"each block holds two attention-MLP pairs and a routed shortcut MoE, so {what}: read "
+        "model.layers[i].self_attn[0] / [1], mlps[0] / [1], their norms input_layernorm[0] / [1] and "
+        "post_attention_layernorm[0] / [1], and the shortcut mlp natively")
+
+
+# two norms before an attention (input_layernorm[0] and [1]), two before an MLP, two streams after an attention
+PAIRED = _two_pairs("the block has two of this value (one per pair)")
+ADDED_MLPS = _two_pairs("three MLPs add to the stream (mlps[0], mlps[1] and the shortcut mlp)")
 
 
 def _block(config, i):
-    pair = _two_pairs(i, "the block has two of this value (one per pair)")
     values = {
         "layer_input": input("", arg=0),
-        # two norms before an attention (input_layernorm[0] and [1]), two before an MLP, two streams after an attention
         **dict.fromkeys(("attention_norm_output", "attention_premix", "attention_output", "mixer_output", "layer_mid",
-                         "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons"), pair),
-        "mlp_output": _two_pairs(i, "three MLPs add to the stream (mlps[0], mlps[1] and the shortcut mlp)"),
+                         "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons"), PAIRED),
+        "mlp_output": ADDED_MLPS,
         "layer_output": output("", index=0),
     }
     return Block(
