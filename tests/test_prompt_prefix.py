@@ -191,10 +191,11 @@ def test_attention_internals_unavailable_with_the_reason():
 
 
 def test_the_default_config_miniature_is_proven():
-    config = CONFIG_MAPPING["cpmant"](num_hidden_layers=2, dim_ff=64, dim_head=8)
+    config = CONFIG_MAPPING["cpmant"](num_hidden_layers=2)
     torch.manual_seed(0)
     hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
     assert hf.config.prompt_length == config.prompt_length  # the default's 32 prompt positions kept
+    assert hf.config.dim_ff < config.dim_ff and hf.config.dim_head < config.dim_head
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # proven at load
     assert model.family is BY_MODEL_TYPE["cpmant"]
     results = check_identity(model, IDS)
