@@ -56,6 +56,13 @@ def test_stream_equals_hooks_and_the_five_contributions_sum_in_the_code_order(dt
     with torch.no_grad(), model.trace(IDS):  # the logit lens of the last block is the model's logits
         readout = model.project_on_vocab(model.layers[-1].layer_output).save()
     assert torch.equal(readout, expected_logits)
+    with torch.no_grad(), model.trace(IDS):  # where the reasons send the researcher: each pair, natively
+        block = model.layers[1]
+        native = {"attn0": block.self_attn[0].output[0].save(), "shortcut": block.mlp.output.save(),  # runs first
+                  "mlp0": block.mlps[0].output.save(), "attn1": block.self_attn[1].output[0].save(),
+                  "mlp1": block.mlps[1].output.save()}
+    for name, tensor in native.items():
+        assert torch.equal(tensor, expected[(1, name)]), name
 
 
 def test_every_value_between_the_stream_ends_is_unavailable_with_where_it_lives():
