@@ -58,9 +58,12 @@ def test_stream_equals_hooks_and_the_five_contributions_sum_in_the_code_order(dt
     assert torch.equal(readout, expected_logits)
     with torch.no_grad(), model.trace(IDS):  # where the reasons send the researcher: each pair, natively
         block = model.layers[1]
-        native = {"attn0": block.self_attn[0].output[0].save(), "shortcut": block.mlp.output.save(),  # runs first
-                  "mlp0": block.mlps[0].output.save(), "attn1": block.self_attn[1].output[0].save(),
-                  "mlp1": block.mlps[1].output.save()}
+        attn0 = block.self_attn[0].output[0].save()
+        shortcut = block.mlp.output.save()  # runs before mlps[0]
+        mlp0 = block.mlps[0].output.save()
+        attn1 = block.self_attn[1].output[0].save()
+        mlp1 = block.mlps[1].output.save()
+    native = {"attn0": attn0, "shortcut": shortcut, "mlp0": mlp0, "attn1": attn1, "mlp1": mlp1}
     for name, tensor in native.items():
         assert torch.equal(tensor, expected[(1, name)]), name
 
