@@ -43,11 +43,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "longcat_flash": ("new shape: topology", "each block runs two attention-MLP pairs in sequence (self_attn[0], "
-                                             "mlps[0], self_attn[1], mlps[1], four adds to the stream) and adds a "
-                                             "routed MoE (mlp) of the first pair's normed stream last, "
-                                             "(mid + mlps[1]) + mlp: one attention_output and one mlp_output per "
-                                             "block cannot hold them"),
     "hrm_text": ("new shape: topology", "two stacks looped for several cycles: each block runs many times per pass"),
     "gemma3n_text": ("new shape: streams", "AltUp: each block predicts its streams from the incoming ones by learned "
                                            "mixings, runs attention and the MLP on one of them (with a LAuReL branch, "
@@ -63,9 +58,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
                                     "restarting from the normed stream plus the input section's output), with nGPT's "
                                     "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
-    "cpmant": ("new shape: formula", "the model prepends prompt_length learned prompt positions to the stream and "
-                                     "drops them after the final norm, so position i of a block's values is not "
-                                     "token i (the blocks themselves add inside self_att / ffn sub-blocks)"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

@@ -40,6 +40,10 @@ class At:
     ``shared`` marks the stream at a place where the block keeps using the same tensor (the
     residual after the attention add is also the norm's input): an assignment is copied into
     that tensor, so it replaces the stream everywhere the block uses it, as an in-place edit does.
+    ``prefix`` views ``[batch, seq, ...]`` without its first ``prefix`` positions, where the model
+    prepends positions that are not tokens to the stream (CPM-Ant's learned prompt): an in-place
+    edit of the view is an edit of those positions of the model's tensor, and an assignment
+    replaces them, the prepended positions left as the model made them.
     """
 
     path: str
@@ -53,10 +57,13 @@ class At:
     shared: bool = False
     unflatten: bool = False
     heads_first: bool = False
+    prefix: int = 0
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
             raise ValueError(f"side must be 'input' or 'output', not {self.side!r}")
+        if self.prefix and (self.unflatten or self.heads_first):  # their sequence axis is not the second
+            raise ValueError("prefix views [batch, seq, ...]: it does not combine with unflatten or heads_first")
 
     def describe(self) -> str:
         text = self.path or "<block>"
@@ -72,6 +79,8 @@ class At:
             text += " (flattened by the block; viewed as [batch, seq, ...])"
         if self.heads_first:
             text += " (viewed as [batch, seq, heads, dim])"
+        if self.prefix:
+            text += f" (without the {self.prefix} positions the model prepends to the tokens)"
         if self.copy:
             text += " (a copy, swapped back: the block uses this tensor for more than this value)"
         if self.shared:
@@ -105,6 +114,7 @@ class At:
         return self._element(self._container(envoy))
 
     def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
+        shape = self._token_shape(shape)
         if self.unflatten:
             shape = (*leading_shape(block_envoy), shape[-1])
         if self.heads:  # [batch, seq, (groups,) width] -> [batch, seq, heads, head_dim]
@@ -112,15 +122,31 @@ class At:
             shape = (*shape[:2], num_heads, width // num_heads)
         return tuple(shape)
 
+    def _token_shape(self, shape) -> tuple[int, ...]:
+        """The model's tensor's shape without the prepended positions."""
+        if not self.prefix:
+            return tuple(shape)
+        if len(shape) < 3 or shape[1] <= self.prefix:
+            raise ValueError(f"{self.describe()}: the model's tensor {list(shape)} has no positions after the "
+                             f"{self.prefix} it prepends (a pass that does not prepend them: a generation step)")
+        return (shape[0], shape[1] - self.prefix, *shape[2:])
+
     def _view(self, tensor, block_envoy, num_heads: int):
+        shape = self._view_shape(block_envoy, tensor.shape, num_heads)
+        if self.prefix:  # a slice: the same storage, so edits in place are the model's
+            tensor = tensor[:, self.prefix :]
         if self.heads or self.unflatten:
-            tensor = tensor.view(self._view_shape(block_envoy, tensor.shape, num_heads))
+            tensor = tensor.view(shape)
         return tensor.transpose(1, 2) if self.heads_first else tensor
+
+    def _with_prefix(self, tensor, tokens):
+        """The model's tensor: its prepended positions, then ``tokens`` (a new tensor, derived from ``tokens``)."""
+        return torch.cat((tensor[:, : self.prefix], tokens), dim=1) if self.prefix else tokens
 
     @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
-        return self.copy or self.heads or self.unflatten or self.heads_first
+        return self.copy or self.heads or self.unflatten or self.heads_first or bool(self.prefix)
 
     def read(self, block_envoy, num_heads: int, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
@@ -142,8 +168,9 @@ class At:
             # edits made to it in place are the model's (a copy hands on a copy of itself: the model may
             # change what it is handed in place, and the reader's copy must not see that).
             model_side = value.transpose(1, 2) if self.heads_first else value
-            model_side = model_side.view(tensor.shape) if (self.heads or self.unflatten) else model_side
-            return self._replaced(raw, model_side.clone() if self.copy else model_side)
+            model_side = model_side.view(self._token_shape(tensor.shape)) if (self.heads or self.unflatten) else model_side
+            model_side = self._with_prefix(tensor, model_side.clone() if self.copy else model_side)
+            return self._replaced(raw, model_side)
 
         # swapped in when the trace next asks the model for anything (nnsight's write-back of a view)
         mediator.transform = WriteBack(back, value, self, location, occurrence)
@@ -181,13 +208,13 @@ class At:
                 f"'{key}' is on {current.device}; the assigned tensor is on {value.device}. "
                 f"Move it first, e.g. value.to('{current.device}')."
             )
-        value = value.transpose(1, 2) if self.heads_first else value.reshape(current.shape)
+        value = value.transpose(1, 2) if self.heads_first else value.reshape(self._token_shape(current.shape))
         if self.shared:
-            current.copy_(value)
+            current[:, self.prefix :].copy_(value)  # the prepended positions stay the model's
         elif self.side == "output":
-            envoy.output = self._replaced(envoy.output, value)
+            envoy.output = self._replaced(envoy.output, self._with_prefix(current, value))
         else:
-            envoy.inputs = self._replaced(envoy.inputs, value)
+            envoy.inputs = self._replaced(envoy.inputs, self._with_prefix(current, value))
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:

@@ -210,7 +210,9 @@ def _placement_problems(model, layer: int, values) -> list[str]:
              if not (attention and name.startswith(attention + "."))]
     has_experts = any("expert" in name or "router" in name for name in names)  # experts, or a router over them
     labelled_routed = block.values.get("mlp_activation") is ROUTED
-    if labelled_routed != has_experts:
+    # the label is the block's one MLP's: a block whose MLP contribution is unavailable (LongCat-Flash's two dense
+    # pairs and routed shortcut) has none to label
+    if labelled_routed != has_experts and isinstance(block.resolve("mlp_output"), At):
         problems.append(f"layer {layer}: the spec labels the MLP {'routed' if labelled_routed else 'dense'}, but the "
                         f"block ({type(module).__name__}) has {'experts' if has_experts else 'no experts'}")
     return problems

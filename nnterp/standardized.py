@@ -208,7 +208,9 @@ class StandardizedTransformer(TransformersModel):
             # a block without an MLP (a recurrent one), or without attention (a hybrid's other blocks), has no such
             # sublayer: `mlp` / `self_attn` say why (StandardEnvoy); where a hybrid's other token mixer is natively
             # named `self_attn` (Kimi-Linear's linear attention), the values of `self_attn` say why
-            if isinstance(self._nnterp_structure[i].resolve("mlp_output"), At):
+            if isinstance(self._nnterp_structure[i].resolve("mlp_output"), At) or (
+                    family.mlp and family.mlp != family.attention and _has_module(block._module, family.mlp)):
+                # a module at the MLP's path whose values are unavailable (LongCat-Flash's shortcut): they say why
                 block.mlp._nnterp_slot = slot
             if isinstance(self._nnterp_structure[i].resolve("attention_output"), At) or _has_module(
                     block._module, "self_attn"):

@@ -8,12 +8,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from nnterp.coverage import CATEGORIES, EXCLUDED, unclassified
 from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
 
+from .test_dual_pair import CASES as DUAL_PAIR_CASES
 from .test_families import CASES
 from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
 from .test_multimodal import CASES as MULTIMODAL_CASES
 from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
+from .test_prompt_prefix import CASES as PROMPT_PREFIX_CASES
 from .test_recurrent import CASES as RECURRENT_CASES
 from .test_streams import SERVED as STREAM_TYPES
 from .test_topology import CASES as TOPOLOGY_CASES
@@ -46,6 +48,8 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= set(TOPOLOGY_CASES)  # tests/test_topology.py: its cases are named by model type
     cased |= {model_type for model_type, *_ in NOTYET_CASES.values()}  # test_notyet.py
     cased |= {model_type for model_type, *_ in RECURRENT_CASES.values()}  # test_recurrent.py
+    cased |= {model_type for model_type, *_ in DUAL_PAIR_CASES.values()}  # test_dual_pair.py
+    cased |= {model_type for model_type, *_ in PROMPT_PREFIX_CASES.values()}  # test_prompt_prefix.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)

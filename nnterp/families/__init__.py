@@ -23,9 +23,11 @@ from .base import (
 from .beam import BEAM
 from .biogpt import BIOGPT, XGLM
 from .bloom import BLOOM
+from .cpmant import CPMANT
 from .ctrl import CTRL
 from .dbrx import DBRX
 from .deepseek_v4 import DEEPSEEK_V4
+from .dual_pair import LONGCAT_FLASH
 from .falcon import FALCON
 from .gated import DOGE, ZAYA
 from .gemma4 import GEMMA4, GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL
@@ -82,6 +84,8 @@ FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H,  # recurrent:
              ZAMBA, ZAMBA2)  # (tests/test_recurrent.py)
 FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX, MODERNBERT_DECODER,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
+FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
+FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
