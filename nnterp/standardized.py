@@ -215,6 +215,9 @@ class StandardizedTransformer(TransformersModel):
             if isinstance(self._nnterp_structure[i].resolve("attention_output"), At) or _has_module(
                     block._module, "self_attn"):
                 block.self_attn._nnterp_slot = slot
+        # values read without positions the model prepends to the tokens (CPM-Ant): a cached pass has none
+        self._nnterp_prefixed = any(isinstance(location, At) and location.prefix
+                                    for block in self._nnterp_blocks for location in block.values.values())
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
                                     for block in self._nnterp_blocks for location in block.values.values())
@@ -487,6 +490,26 @@ class StandardizedTransformer(TransformersModel):
                 mediator._nnterp_sourced = True
         if self._nnterp_flattens:
             leading_shape(block)
+        if self._nnterp_prefixed:
+            self._refuse_a_cached_pass()
+
+    def _refuse_a_cached_pass(self) -> None:
+        """A model that prepends positions to the tokens (CPM-Ant) does so fully only on a pass without a cache:
+        given a filled one, its stream holds other positions, which the values' view cannot tell apart. Read from
+        the model's own inputs, the first event of each pass (per invoke and generation step)."""
+        mediator = Mediator.current("a standard value")
+        checked = mediator.__dict__.setdefault("_nnterp_uncached", set())
+        if mediator.iteration in checked:
+            return
+        _, kwargs = self.inputs
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is not None and getattr(cache, "get_seq_length", lambda: 0)() > 0:
+            raise ValueError(
+                f"{self.family.name} prepends its prompt positions to the stream in full only on a pass without a "
+                "cache, so the values of a pass given a filled one (a generation's later steps too) cannot be told "
+                "apart from them: trace the whole sequence without past_key_values."
+            )
+        checked.add(mediator.iteration)
 
     def _envoy_at(self, path: str):
         envoy = self

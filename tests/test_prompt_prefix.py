@@ -200,3 +200,19 @@ def test_the_default_config_miniature_is_proven():
     assert model.family is BY_MODEL_TYPE["cpmant"]
     results = check_identity(model, IDS)
     assert all(result.exact for result in results), [str(r) for r in results]
+
+
+def test_a_pass_given_a_filled_cache_is_refused():
+    """With a cache the model runs the new tokens without the prompt positions, so a prefix view would drop tokens:
+    such a trace is refused before it runs, whatever the number of new tokens."""
+    model, hf, prompt = make()
+    with torch.no_grad():
+        cache = hf(input_ids=IDS[:, :3], use_cache=True).past_key_values
+    assert cache.get_seq_length() > 0
+    more = torch.arange(3, 3 + prompt + 2).repeat(2, 1) % model.vocab_size  # more new tokens than the prompt
+    with pytest.raises(ValueError, match="without past_key_values"):
+        with torch.no_grad(), model.trace(more, past_key_values=cache):
+            model.layers[LAYER].layer_output.save()
+    with torch.no_grad(), model.trace(IDS):  # without a cache, as before
+        out = model.layers[LAYER].layer_output.save()
+    assert out.shape[1] == IDS.shape[1]

@@ -7,7 +7,7 @@ in-place edit changes those positions of the model's tensor; an assignment repla
 positions as the model made them. (The model's own embedding output, ``model.embed_tokens``, keeps them.) The
 model prepends them on a pass with an empty cache only: a generation's later cached steps run the new token alone,
 and their values are refused (a stream no longer than the prompt); a trace given a filled cache and more new tokens
-than ``prompt_length`` would be read wrong, so pass none.
+than ``prompt_length`` is refused (its stream holds other positions): trace without a cache.
 
 A block ``encoder.layers[i]`` is ``self_att`` (``layernorm_before_attention``, ``self_attention``, its own add)
 then ``ffn`` (``layernorm_before_ffn``, ``ffn``, its own add): the sequential identity, ``layer_mid`` being what
