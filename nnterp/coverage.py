@@ -22,7 +22,6 @@ CATEGORIES: dict[str, str] = {
     "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
     "new shape: topology": "Needs a new shape: a block that is not one token mixer and one MLP, or blocks that run "
                            "more than once per pass.",
-    "new shape: formula": "Needs a new shape: a residual formula whose terms are not at module boundaries.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
 }

@@ -5,9 +5,8 @@
 read without them (``At.prefix``, from the config's ``prompt_length``): position i of a value is token i. An
 in-place edit changes those positions of the model's tensor; an assignment replaces them and leaves the prompt
 positions as the model made them. (The model's own embedding output, ``model.embed_tokens``, keeps them.) The
-model prepends them on a pass with an empty cache only: a generation's later cached steps run the new token alone,
-and their values are refused (a stream no longer than the prompt); a trace given a filled cache and more new tokens
-than ``prompt_length`` is refused (its stream holds other positions): trace without a cache.
+model prepends them in full on a pass with an empty cache only: the values of a pass given a filled cache (a
+generation's later steps too) are refused, since its stream holds other positions: trace without a cache.
 
 A block ``encoder.layers[i]`` is ``self_att`` (``layernorm_before_attention``, ``self_attention``, its own add)
 then ``ffn`` (``layernorm_before_ffn``, ``ffn``, its own add): the sequential identity, ``layer_mid`` being what
