@@ -336,6 +336,20 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
         assert ((plain - y).abs() <= ulp).all()
 
 
+def assert_placed_as_hooks(saved, expected, at, layers):
+    """Each catalog value a block's truth places equals the hooks' tensor (in its shape), and each it marks None
+    was not read (the spec has it unavailable); a truth's other entries are places an identity needs."""
+    for i in range(layers):
+        for name, where in at(i).items():
+            if name not in BY_NAME:
+                continue
+            if where is None:
+                assert (i, name) not in saved, f"layer {i}: {name} should be unavailable"
+                continue
+            got, want = saved[(i, name)], expected[(i, name)]
+            assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
+
+
 def register_edit(hf_model, module, side, edit):
     """A hook that applies ``edit`` to the module's input or output tensor (the first element of a tuple)."""
     if side == "in":

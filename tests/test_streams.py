@@ -18,7 +18,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import IDS, assert_placed_as_hooks, hook_capture, read_all, register_edit, run_with_hook
 
 SERVED = ("qwen4_exp_text", "qwen4_exp")  # the types these tests prove (the census checks they are all served)
 
@@ -63,15 +63,8 @@ def test_qwen4_exp_values_equal_hooks_and_identity_holds(dtype):
     expected, expected_logits = hook_capture(hf, at, IDS)
     saved, logits = read_all(model, IDS)
     assert torch.equal(logits, expected_logits)
+    assert_placed_as_hooks(saved, expected, at, model.num_layers)
     for i in range(model.num_layers):
-        for name, where in at(i).items():
-            if name in ("attn_w", "mlp_w", "P"):
-                continue
-            if where is None:
-                assert (i, name) not in saved, f"layer {i}: {name} should be unavailable"
-                continue
-            got, want = saved[(i, name)], expected[(i, name)]
-            assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
         x, a, mid, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "layer_mid", "mlp_output",
                                                     "layer_output"))
         assert x.shape == (*IDS.shape, model.hidden_size * hf.config.hc_count)
