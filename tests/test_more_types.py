@@ -25,6 +25,7 @@ from .test_families import (
     NO_PRE_NORM,
     ROUTED,
     SHARED_NORM,
+    assert_placed_as_hooks,
     hook_capture,
     read_all,
 )
@@ -80,15 +81,8 @@ def test_the_type_gives_the_hooks_values(family, model_type, dtype):
     expected, expected_logits = hook_capture(hf, truth, ids)
     saved, logits = read_all(model, ids)
     assert torch.equal(logits, expected_logits)
-    compared = 0
-    for i in range(model.num_layers):
-        for name, where in truth(i).items():
-            if where is None:
-                assert (i, name) not in saved, f"layer {i}: {name} should be unavailable"
-                continue
-            got, want = saved[(i, name)], expected[(i, name)]
-            assert torch.equal(got, want.reshape(got.shape)), f"layer {i} {name}"
-            compared += 1
+    assert_placed_as_hooks(saved, expected, truth, model.num_layers)
+    compared = sum(where is not None for i in range(model.num_layers) for where in truth(i).values())
     assert compared >= 8 * model.num_layers
     assert all(result.exact for result in check_identity(model, ids))
 
