@@ -44,6 +44,8 @@ SIZES = {
 RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads")
+# experts per token (DBRX's moe_top_k in its ffn_config) and routing groups, at most
+TOP_K_LIMITS = (("num_experts_per_tok", 2), ("top_k_experts", 2), ("moe_top_k", 2), ("n_group", 2), ("topk_group", 1))
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
@@ -141,17 +143,9 @@ def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     keys, values = getattr(config, "linear_num_key_heads", None), getattr(config, "linear_num_value_heads", None)
     if keys and values:  # linear attention's heads, keeping the value heads per key head
         config.linear_num_key_heads, config.linear_num_value_heads = 2, 2 * max(1, values // keys)
-    for name, size in SIZES.items():
-        if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
-            _set(config, name, size)  # (xLSTM's v_head_dim is derived from its sizes)
+    _shrink_sizes(config)
     if recurrent:
         _shrink_recurrent(config)
-    for name in EXPERT_COUNTS:
-        if getattr(config, name, None):
-            setattr(config, name, min(getattr(config, name), 4))
-    for name, limit in (("num_experts_per_tok", 2), ("top_k_experts", 2), ("n_group", 2), ("topk_group", 1)):
-        if getattr(config, name, None):
-            setattr(config, name, min(getattr(config, name), limit))
     if getattr(config, "qk_rope_head_dim", None) and getattr(config, "qk_nope_head_dim", None):  # MLA
         _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
         _set(config, "head_dim", config.qk_rope_head_dim)
@@ -181,14 +175,20 @@ def _shrink_sub(sub: PretrainedConfig, model: PretrainedConfig, heads: int | Non
         sub.hidden_size = model.hidden_size
     if heads:
         _shrink_kv_heads(sub, heads, model)
+    _shrink_sizes(sub)
+
+
+def _shrink_sizes(config: PretrainedConfig) -> None:
+    """The sizes that shrink to fixed values, the expert counts and how many experts a token takes."""
     for name, size in SIZES.items():
-        if getattr(sub, name, None):
-            setattr(sub, name, size)
+        if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
+            _set(config, name, size)  # (xLSTM's v_head_dim is derived from its sizes)
     for name in EXPERT_COUNTS:
-        if getattr(sub, name, None):
-            setattr(sub, name, min(getattr(sub, name), 4))
-    if getattr(sub, "moe_top_k", None):
-        sub.moe_top_k = min(sub.moe_top_k, 2)
+        if getattr(config, name, None):
+            setattr(config, name, min(getattr(config, name), 4))
+    for name, limit in TOP_K_LIMITS:
+        if getattr(config, name, None):
+            setattr(config, name, min(getattr(config, name), limit))
 
 
 def _shrink_recurrent(config: PretrainedConfig) -> None:
