@@ -216,17 +216,20 @@ class StandardizedTransformer(TransformersModel):
                     block._module, "self_attn"):
                 block.self_attn._nnterp_slot = slot
         # values read without positions the model prepends to the tokens (CPM-Ant): a cached pass has none
-        self._nnterp_prefixed = any(isinstance(location, At) and location.prefix
-                                    for block in self._nnterp_blocks for location in block.values.values())
+        self._nnterp_prefixed = self._some_value_viewed("prefix")
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
-        self._nnterp_flattens = any(isinstance(location, At) and location.unflatten
-                                    for block in self._nnterp_blocks for location in block.values.values())
+        self._nnterp_flattens = self._some_value_viewed("unflatten")
         if validate and not validated:
             validated = proof.validate(model.config, type(model), tokenizer, StandardizedTransformer)
         # from the validated miniature (same architecture, same names) when there is one
         self._forward_events = validated or forward_events(model)
         if attention_values:
             self.enable_attention_values()
+
+    def _some_value_viewed(self, view: str) -> bool:
+        """Whether a value of some block is read through the view ``view`` of ``At`` (``"prefix"``, ``"unflatten"``)."""
+        return any(isinstance(location, At) and getattr(location, view)
+                   for block in self._nnterp_blocks for location in block.values.values())
 
     def __repr__(self) -> str:
         """The model's own module tree (standard aliases shown as ``alias/native``), then the standard names."""
