@@ -19,7 +19,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import IDS, hooks_and_reads, register_edit, run_with_hook
 
 CASES = {"longcat_flash": ("longcat_flash",)}
 
@@ -38,9 +38,7 @@ def make(dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_stream_equals_hooks_and_the_five_contributions_sum_in_the_code_order(dtype):
     model, hf = make(dtype)
-    expected, expected_logits = hook_capture(hf, lambda i: TRUTH, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, lambda i: TRUTH, IDS)
     for i in range(model.num_layers):
         assert {name for layer, name in saved if layer == i} == {"layer_input", "layer_output"}
         for name in ("layer_input", "layer_output"):
@@ -55,7 +53,7 @@ def test_stream_equals_hooks_and_the_five_contributions_sum_in_the_code_order(dt
     assert all(result.exact for result in results), [str(r) for r in results]
     with torch.no_grad(), model.trace(IDS):  # the logit lens of the last block is the model's logits
         readout = model.project_on_vocab(model.layers[-1].layer_output).save()
-    assert torch.equal(readout, expected_logits)
+    assert torch.equal(readout, logits)
     with torch.no_grad(), model.trace(IDS):  # where the reasons send the researcher: each pair, natively
         block = model.layers[1]
         attn0 = block.self_attn[0].output[0].save()

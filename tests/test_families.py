@@ -299,9 +299,7 @@ def read_all(model, ids):
 @pytest.mark.parametrize("case", CASES)
 def test_values_equal_hooks_and_identity_holds(case, dtype):
     model, hf_model, truth, formula, is_tuple = make(case, dtype)
-    expected, expected_logits = hook_capture(hf_model, truth, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf_model, truth, IDS)
     for i in range(model.num_layers):
         extras = {"block": hf_model.base_model_blocks[i]}
         for name, where in truth(i).items():
@@ -334,6 +332,15 @@ def test_values_equal_hooks_and_identity_holds(case, dtype):
         plain = x + a + m
         ulp = torch.finfo(dtype).eps * y.abs().clamp_min(1)
         assert ((plain - y).abs() <= ulp).all()
+
+
+def hooks_and_reads(model, hf_model, truth, ids):
+    """The plain model's hook captures and the standard names' reads of ``ids``, once both runs are seen to give the
+    same logits: ``(expected, saved, logits)``."""
+    expected, expected_logits = hook_capture(hf_model, truth, ids)
+    saved, logits = read_all(model, ids)
+    assert torch.equal(logits, expected_logits)
+    return expected, saved, logits
 
 
 def assert_placed_as_hooks(saved, expected, at, layers):

@@ -19,7 +19,15 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, assert_placed_as_hooks, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import (
+    IDS,
+    assert_placed_as_hooks,
+    hook_capture,
+    hooks_and_reads,
+    read_all,
+    register_edit,
+    run_with_hook,
+)
 
 ATTENTION_VALUES = ("attention_premix", "attention_output")
 
@@ -123,9 +131,7 @@ def test_values_equal_hooks_and_identity_holds_on_every_block(case, dtype):
     model, hf, at, (first_add, second_add), _ = make(case, dtype)
     kinds = mixers(hf)
     assert "self_attn" in kinds and "other" in kinds  # the test config has both block types
-    expected, expected_logits = hook_capture(hf, at, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     assert_placed_as_hooks(saved, expected, at, model.num_layers)
     for i in range(model.num_layers):
         x, a, mid, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "layer_mid", "mlp_output",
@@ -390,9 +396,7 @@ def test_granite_hybrid_without_experts_reads_the_shared_mlp():
     hf.base_model_blocks = model.layers._module
     at = truth("input_layernorm", "post_attention_layernorm", "shared_mlp", "shared_mlp.activation",
                "shared_mlp.output_linear")(hf.base_model_blocks)
-    expected, expected_logits = hook_capture(hf, at, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     for i in range(model.num_layers):
         assert {key.rpartition(".")[2] for key in model.order(i, aliases=True)} == {n for n, w in at(i).items() if w is not None}
         for name, where in at(i).items():

@@ -26,8 +26,7 @@ from .test_families import (
     ROUTED,
     SHARED_NORM,
     assert_placed_as_hooks,
-    hook_capture,
-    read_all,
+    hooks_and_reads,
 )
 
 TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH, "Granite": LLAMA,
@@ -78,9 +77,7 @@ def test_the_type_gives_the_hooks_values(family, model_type, dtype):
     hf.base_model_blocks = model.layers._module
     truth = truth_of(family, hf.base_model_blocks)
     ids = IDS % model.vocab_size
-    expected, expected_logits = hook_capture(hf, truth, ids)
-    saved, logits = read_all(model, ids)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, truth, ids)
     assert_placed_as_hooks(saved, expected, truth, model.num_layers)
     compared = sum(where is not None for i in range(model.num_layers) for where in truth(i).values())
     assert compared >= 8 * model.num_layers

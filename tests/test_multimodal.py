@@ -19,7 +19,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, LLAMA, PRE_NORM, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import IDS, LLAMA, PRE_NORM, hooks_and_reads, read_all, register_edit, run_with_hook
 
 PERSIMMON = PRE_NORM("input_layernorm", "self_attn", "self_attn.dense", "post_attention_layernorm", "mlp", "mlp.act",
                      "mlp.dense_4h_to_h")
@@ -77,9 +77,7 @@ def first_input_and_idle(hf, case):
 def test_values_equal_hooks_and_identity_holds(case, dtype):
     model, hf, truth = make(case, dtype)
     assert type(hf).__name__ == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[CASES[case][0]]
-    expected, expected_logits = hook_capture(hf, truth, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, truth, IDS)
     for i in range(model.num_layers):
         for name in truth(i):  # every value is available on these blocks
             got, want = saved[(i, name)], expected[(i, name)]

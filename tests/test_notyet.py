@@ -18,7 +18,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, PRE_NORM, SANDWICH, hook_capture, read_all, run_with_hook
+from .test_families import IDS, PRE_NORM, SANDWICH, hooks_and_reads, read_all, run_with_hook
 
 GEMMA4_PLE = {**SANDWICH, "mlp_activation": None, "mlp_neurons": None, "P": ("post_per_layer_input_norm", "out")}
 DBRX = {**PRE_NORM("norm_attn_norm.norm_1", "norm_attn_norm.attn", "norm_attn_norm.attn.out_proj",
@@ -93,9 +93,7 @@ def make(case, dtype=torch.float32):
 @pytest.mark.parametrize("case", CASES)
 def test_values_equal_hooks_and_identity_holds(case, dtype):
     model, hf, truth, identity, mid = make(case, dtype)
-    expected, expected_logits = hook_capture(hf, truth, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, truth, IDS)
     for i in range(model.num_layers):
         extras = {"block": hf.base_model_blocks[i]}
         listed = {key.rpartition(".")[2] for key in model.order(i)}

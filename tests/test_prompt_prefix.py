@@ -21,7 +21,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import IDS, hooks_and_reads, register_edit, run_with_hook
 
 CASES = {"cpmant": ("cpmant",)}
 
@@ -59,9 +59,7 @@ def edited(hf, module, side, edit):
 def test_values_are_the_token_positions_of_the_hooked_tensors(dtype):
     model, hf, prompt = make(dtype)
     assert prompt > 0
-    expected, expected_logits = hook_capture(hf, lambda i: TRUTH, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, lambda i: TRUTH, IDS)
     for i in range(model.num_layers):
         assert {name for layer, name in saved if layer == i} == set(TRUTH)
         for name in TRUTH:
@@ -75,7 +73,7 @@ def test_values_are_the_token_positions_of_the_hooked_tensors(dtype):
     assert all(result.exact for result in results), [str(r) for r in results]
     with torch.no_grad(), model.trace(IDS):  # the logit lens of the last block is the model's logits
         readout = model.project_on_vocab(model.layers[-1].layer_output).save()
-    assert torch.equal(readout, expected_logits)
+    assert torch.equal(readout, logits)
 
 
 def test_in_place_edits_reach_the_token_positions_as_hooks_do():

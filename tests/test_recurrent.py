@@ -21,7 +21,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import IDS, hook_capture, hooks_and_reads, read_all, register_edit, run_with_hook
 
 
 def mamba_truth(blocks):
@@ -133,9 +133,7 @@ def make(case, dtype=torch.float32, **changes):
 
 
 def compare_with_hooks(model, hf, at, adds):
-    expected, expected_logits = hook_capture(hf, at, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     for i in range(model.num_layers):
         assert {key.rpartition(".")[2] for key in model.order(i, aliases=True)} == set(at(i))
         for name in at(i):

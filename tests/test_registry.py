@@ -19,7 +19,7 @@ from nnterp.validation import ValidationError, check_identity
 
 from .conftest import perturb, tiny_tokenizer
 from .custom_decoder import CustomConfig, CustomForCausalLM
-from .test_families import IDS, PRE_NORM, hook_capture, read_all
+from .test_families import IDS, PRE_NORM, hooks_and_reads
 
 TRUTH = {**PRE_NORM("norm1", "attn", "attn.out", "norm2", "ffn", "ffn.act", "ffn.down")}
 
@@ -46,9 +46,7 @@ def test_a_registered_spec_serves_the_values_plain_hooks_see(registered):
     hf = perturb(CustomForCausalLM(CustomConfig())).eval()
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())  # validated at load, like any model
     hf.base_model_blocks = hf.model.layers
-    expected, expected_logits = hook_capture(hf, lambda i: TRUTH, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, lambda i: TRUTH, IDS)
     for (i, name), want in expected.items():
         assert torch.equal(saved[(i, name)], want.reshape(saved[(i, name)].shape)), f"layer {i} {name}"
     assert len(expected) == len(TRUTH) * model.num_layers

@@ -18,7 +18,13 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, assert_placed_as_hooks, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import (
+    IDS,
+    assert_placed_as_hooks,
+    hooks_and_reads,
+    register_edit,
+    run_with_hook,
+)
 
 SERVED = ("qwen4_exp_text", "qwen4_exp")  # the types these tests prove (the census checks they are all served)
 
@@ -60,9 +66,7 @@ def test_qwen4_exp_values_equal_hooks_and_identity_holds(dtype):
     hf.base_model_blocks = hf.model.layers
     kinds = [getattr(block, "self_attn", None) is not None for block in hf.model.layers]
     assert True in kinds and False in kinds and any(block.ple is not None for block in hf.model.layers)
-    expected, expected_logits = hook_capture(hf, at, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     assert_placed_as_hooks(saved, expected, at, model.num_layers)
     for i in range(model.num_layers):
         x, a, mid, m, y = (saved[(i, n)] for n in ("layer_input", "mixer_output", "layer_mid", "mlp_output",

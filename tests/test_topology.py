@@ -19,7 +19,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .test_families import IDS, hook_capture, read_all, register_edit, run_with_hook
+from .test_families import IDS, hook_capture, hooks_and_reads, read_all, register_edit, run_with_hook
 
 # -- where each value is, by the block's code ---------------------------------------------------
 # truth(block) -> {name: (module path, "in" | "out") | None}; names outside the catalog are hooked tensors the block's
@@ -336,9 +336,7 @@ def test_granite_shared_without_a_shared_mlp_reads_the_mixture():
     assert hf.base_model_blocks[0].shared_mlp is None
     at = lambda i: {**{k: v for k, v in granite_shared_truth(None).items() if k not in ("shared", "shared_input", "moe")},  # noqa: E731
                     "mlp_output": ("block_sparse_moe", "out")}
-    expected, expected_logits = hook_capture(hf, at, IDS)
-    saved, logits = read_all(model, IDS)
-    assert torch.equal(logits, expected_logits)
+    expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     for i in range(model.num_layers):
         for name, where in at(i).items():
             if where is None:
