@@ -109,10 +109,10 @@ def _attention_module(family: Family) -> str:
     return f"`{family.attention}`" + (_by_class(family, "self_attn") if family.sublayer_classes else "")
 
 
-def _mlp_module(family: Family) -> str:
+def _mlp_module(family: Family, found: list[Shape]) -> str:
     if family.mlp:
         return f"`{family.mlp}`" + (_by_class(family, "mlp") if family.sublayer_classes else "")
-    if all(isinstance(shape.block.resolve("mlp_output"), Unavailable) for shape in shapes(family)):
+    if all(isinstance(shape.block.resolve("mlp_output"), Unavailable) for shape in found):
         return "none: no block has an MLP"
     return "the block itself (no MLP module)"
 
@@ -120,13 +120,14 @@ def _mlp_module(family: Family) -> str:
 def family_page(family: Family) -> str:
     doc = inspect.cleandoc(sys.modules[family.block.__module__].__doc__ or "")
     config = family.tiny_config()
+    found = shapes(family)
     lines = [GENERATED, f"# {family.name}", "",
              f"Model types: {', '.join(f'`{t}`' for t in family.model_types)}", "", doc, "",
              "## Modules", "", "| standard name | module |", "|---|---|",
              f"| `layers` | `{family.layers}` |", f"| `embed_tokens` | `{family.embed_tokens}` |",
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
              f"| `layers[i].self_attn` | {_attention_module(family)} |",
-             f"| `layers[i].mlp` | {_mlp_module(family)} |", ""]
+             f"| `layers[i].mlp` | {_mlp_module(family, found)} |", ""]
     if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
             or family.vocab_projection:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
@@ -137,7 +138,6 @@ def family_page(family: Family) -> str:
                   + " and the head" + (f" and `{family.vocab_projection}`" if family.vocab_projection else "")
                   + (", then the family's transform of the logits"
                                        if family.logits_transform else "") + ".", ""]
-    found = shapes(family)
     for shape in found:
         block = shape.block
         lines += [f"## {shape.title(found)}", "", "**Identity**, in the code's order of addition"
