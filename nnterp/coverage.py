@@ -54,9 +54,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                                  "restart on block boundaries), with looped layers"),
     "reformer": ("new shape: streams", "reversible residuals over two half streams, y1 = x1 + attention(x2), "
                                        "y2 = x2 + feed_forward(y1), passed between blocks as two tensors"),
-    "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
-                                    "restarting from the normed stream plus the input section's output), with nGPT's "
-                                    "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

@@ -27,3 +27,7 @@ class UnsupportedConfig(NNterpError, ValueError):
 
 class BadAssignment(NNterpError, ValueError):
     """A value was assigned a tensor of the wrong shape or type."""
+
+
+class RunNotChosen(NNterpError, ValueError):
+    """A value of a block that runs several times in each forward pass, read without saying which run."""

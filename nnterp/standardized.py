@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
-from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
+from .errors import NNterpError, RunNotChosen, UnknownArchitecture, ValueUnavailable
 from .families import Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
 from .selection import layer_ranges
@@ -201,6 +201,7 @@ class StandardizedTransformer(TransformersModel):
         # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts; None
         # on a model without attention: a recurrent one)
         self._nnterp_heads = heads_per_layer(family, self._nnterp_text_config, len(self.layers))
+        self._nnterp_schedule = schedule_of(family, self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -287,6 +288,25 @@ class StandardizedTransformer(TransformersModel):
         """The config's number of attention heads (the global one, where layers have their own: ``num_heads_of``;
         None on a model without attention)."""
         return _global(self._nnterp_text_config, "num_attention_heads")
+
+    @property
+    def schedule(self) -> tuple[tuple[int, int], ...]:
+        """``(layer, run)`` of every block call in one forward pass, in the order the model makes them: each block
+        once (run 0), except where a section of blocks runs several times (a looped model)."""
+        return self._nnterp_schedule
+
+    def runs_of(self, layer: int) -> int:
+        """How many times block ``layer`` runs in each forward pass (1 except in a looped section)."""
+        layer %= self.num_layers
+        return sum(1 for block, _ in self._nnterp_schedule if block == layer)
+
+    def run_slot(self, layer: int, run: int) -> Slot:
+        """The slot of run ``run`` of block ``layer``; an ``IndexError`` names the runs the block has."""
+        runs = self.runs_of(layer)
+        if not 0 <= run < runs:
+            raise IndexError(f"Run {run} is out of range: layers[{layer}] runs {runs} time{'s' * (runs > 1)} in each "
+                             f"forward pass (runs 0 to {runs - 1}).")
+        return Slot(self, layer % self.num_layers, run)
 
     def num_heads_of(self, layer: int) -> int:
         """The number of attention heads of block ``layer`` (the views per head split by it)."""
@@ -439,16 +459,46 @@ class StandardizedTransformer(TransformersModel):
             raise ValueUnavailable(value.key, self.family.name, location.reason)
         return location
 
-    def read_value(self, layer: int, name: str) -> torch.Tensor:
-        """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
+    def read_value(self, layer: int, name: str, run: int | None = None) -> torch.Tensor:
+        """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives), at run
+        ``run`` of a block that runs several times per pass (``model.layers[layer].run(run).<name>``)."""
         location, key, block, envoy, plain = self._resolved(layer, name)
         self._begin_pass(block)
+        pinned = self._pin_run(layer, run, key, location, block)
         try:
             if plain:  # the module's own tensor, no view or copy: what raw nnsight reads, as directly
                 return location._raw(envoy)
             return location.read(block, self._nnterp_heads[layer], envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
+        finally:
+            _unpin(pinned)
+
+    def _pin_run(self, layer: int, run: int | None, key: str, location: At, block) -> Mediator | None:
+        """Bind the requests that follow to run ``run`` of block ``layer`` until ``_unpin`` (nnsight binds a request
+        to a module's first call unless the mediator is pinned to a later occurrence, which ``tracer.iter`` does per
+        generation step); the mediator pinned, or None. (Plain calls, not a context manager: the class travels by
+        value to remote servers as source, without its decorators.)"""
+        runs = self.runs_of(layer) if self.family.schedule else 1
+        if run is None and runs > 1:
+            raise RunNotChosen(
+                f"layers[{layer}] runs {runs} times in each forward pass of {self.family.name} (a looped section), so "
+                f"'{key}' has a value per run: read one with model.layers[{layer}].run(k).{key}, k from 0 to "
+                f"{runs - 1} (model.schedule lists the block calls in forward order).")
+        if not run:  # the first run: nnsight's own binding
+            return None
+        self.run_slot(layer, run)  # an out-of-range run says so
+        mediator = Mediator.current("a standard value")
+        if mediator.iteration != 0:
+            raise NNterpError(
+                f"layers[{layer}].run({run}).{key}: the runs of a looped block are read in a trace, or in the first "
+                "step of a generation (tracer.iter[0]); a later step's runs cannot be told apart from the earlier "
+                "steps' calls.")
+        where = f"{location.envoy(block).path}.{location.side}"
+        if mediator.occurrence(where) > run:  # pinned, nnsight would wait for a call that never comes
+            raise OutOfOrderError(f"'{where}.i{run}' was requested but the model already ran past it")
+        mediator.iteration = run
+        return mediator
 
     def _resolved(self, layer: int, name: str) -> tuple[At, str, Envoy, Envoy | None, bool]:
         """(location, key, block envoy, module envoy, plain) of a value of a block, resolved once per model (a
@@ -464,14 +514,17 @@ class StandardizedTransformer(TransformersModel):
             found = self._nnterp_resolved[(layer, name)] = (location, value_named(name).key, block, envoy, plain)
         return found
 
-    def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
-        """Inside a trace: the tensor at ``location`` of block ``layer``."""
+    def read_at(self, layer: int, location: At, key: str | None = None, run: int | None = None) -> torch.Tensor:
+        """Inside a trace: the tensor at ``location`` of block ``layer`` (at run ``run`` of a looped block)."""
         block = self.layers[layer]
         self._begin_pass(block)
+        pinned = self._pin_run(layer, run, key or location.describe(), location, block)
         try:
             return location.read(block, self._nnterp_heads[layer])
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key or location.describe(), error) from None
+        finally:
+            _unpin(pinned)
 
     def _out_of_order(self, layer: int, key: str, error: Exception) -> OutOfOrderError:
         """nnsight's error, in the standard names: which value, and the order to read a block's values in."""
@@ -520,14 +573,18 @@ class StandardizedTransformer(TransformersModel):
             envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
         return envoy
 
-    def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
-        """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
+    def write_value(self, layer: int, name: str, value: torch.Tensor, run: int | None = None) -> None:
+        """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``), at
+        run ``run`` of a block that runs several times per pass."""
         location, key, block, envoy, _ = self._resolved(layer, name)
         self._begin_pass(block)
+        pinned = self._pin_run(layer, run, key, location, block)
         try:
             location.write(block, value, self._nnterp_heads[layer], key, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
+        finally:
+            _unpin(pinned)
 
     def availability(self, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""
@@ -587,6 +644,23 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+def _unpin(mediator: Mediator | None) -> None:
+    """Back to nnsight's own binding, each request to a module's first call (``_pin_run``)."""
+    if mediator is not None:
+        mediator.iteration = 0
+
+
+def schedule_of(family: Family, config, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``(layer, run)`` of each block call of a forward pass, in order (``Family.schedule``)."""
+    order = family.schedule(config) if family.schedule else range(num_layers)
+    seen: dict[int, int] = {}
+    calls = []
+    for layer in order:
+        calls.append((layer, seen.get(layer, 0)))
+        seen[layer] = seen.get(layer, 0) + 1
+    return tuple(calls)
 
 
 def _has_module(module: torch.nn.Module, path: str) -> bool:

@@ -111,6 +111,10 @@ class Family:
     # {module class: "self_attn" or "mlp"} (a function giving it, imported when asked): where one native name holds
     # a different sublayer from block to block, the standard name binds by the class of the module a block holds
     sublayer_classes: Callable[[], dict[type, str]] | None = None
+    # the blocks in the order one forward pass calls them, where some run more than once (a looped section, as in
+    # Dory): a function of the (text) config giving block indices; None: every block once, in order. A block that
+    # runs several times serves its values per run (``layers[i].run(k)``)
+    schedule: Callable[[PretrainedConfig], tuple[int, ...]] | None = None
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""

@@ -1,0 +1,222 @@
+"""Looped models (Dory): blocks that run several times per forward pass, with values per run, against plain hooks.
+
+Ground truth: forward hooks on the unwrapped model record every call of every block and of its sublayer modules
+(boundaries written from transformers' DoryDecoderLayer), in call order; run k of a block is its k-th call. The
+identity is the block's own arithmetic, written here: the L2 norm and the interpolation towards each sublayer's
+normalised output at the rate |λ·s|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nnsight.intervention.interleaver import OutOfOrderError
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer
+from nnterp.edits import skip_layers
+from nnterp.errors import RunNotChosen
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.miniature import miniature_config
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, perturb, tiny_tokenizer
+
+IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
+DTYPES = [torch.float32, torch.bfloat16]
+
+# value -> (module relative to the block, side)
+DORY_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
+           "attention_premix": ("self_attn.o_proj", "in"), "attention_output": ("post_attention_layernorm", "out"),
+           "layer_mid": ("pre_feedforward_layernorm", "in"), "mlp_norm_output": ("pre_feedforward_layernorm", "out"),
+           "mlp_input": ("mlp", "in"), "mlp_activation": ("mlp.act_fn", "out"), "mlp_neurons": ("mlp.down_proj", "in"),
+           "mlp_output": ("post_feedforward_layernorm", "out"), "layer_output": ("", "out")}
+SUBLAYER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
+            "mlp_neurons": "mlp", "mlp_output": "mlp"}
+CASES = {"dory": ("dory", DORY_AT)}  # for the census (tests/test_coverage.py)
+
+
+def make(dtype=torch.float32):
+    hf_model = build_tiny(BY_MODEL_TYPE["dory"].tiny_config(), dtype)
+    return StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer()), hf_model
+
+
+def capture(hf_model, ids=IDS):
+    """Every call of every block, in order, and each call's tensors at DORY_AT: (calls, {(layer, run, name)}, logits)."""
+    calls, captured, handles = [], {}, []
+    runs: dict[tuple[int, str], int] = {}
+    for i, block in enumerate(hf_model.model.layers):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
+        for name, (path, side) in DORY_AT.items():
+            module = block.get_submodule(path) if path else block
+
+            def record(tensor, i=i, name=name):
+                run = runs[(i, name)] = runs.get((i, name), -1) + 1
+                captured[(i, run, name)] = tensor.detach().clone()
+
+            if side == "in":
+                handles.append(module.register_forward_pre_hook(lambda m, a, record=record: record(a[0])))
+            else:
+                handles.append(module.register_forward_hook(lambda m, a, o, record=record: record(o)))
+    try:
+        with torch.no_grad():
+            logits = hf_model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, captured, logits
+
+
+def l2(x):
+    return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+def read_runs(model, ids=IDS):
+    """Every value of every block call, through the standard names, in one trace in forward order."""
+    saved = {}
+    with torch.no_grad(), model.trace(ids):
+        for i, run in model.schedule:
+            at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
+            for key in model.order(i):
+                owner, _, name = key.rpartition(".")
+                saved[(i, run, name)] = getattr(getattr(at, owner) if owner else at, name).save()
+        logits = model.logits.save()
+    return saved, logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_run_of_every_block_equals_the_hooks_and_the_interpolation_holds(dtype):
+    model, hf_model = make(dtype)
+    calls, expected, expected_logits = capture(hf_model)
+    config = hf_model.config
+    assert config.n_recurrent_loops == 3 and config.n_recurrent_layers == 3
+    assert [layer for layer, _ in model.schedule] == calls  # the forward's own call order
+    assert {i: model.runs_of(i) for i in range(model.num_layers)} == {i: calls.count(i) for i in range(model.num_layers)}
+    saved, logits = read_runs(model)
+    assert torch.equal(logits, expected_logits)
+    assert {key for key in saved} == {key for key in expected}  # every value of every run, nothing else
+    for key, tensor in saved.items():
+        assert torch.equal(tensor, expected[key].reshape(tensor.shape)), key
+    runs = {}
+    for i, run in model.schedule:
+        block, v = hf_model.model.layers[i], {name: saved[(i, run, name)] for name in DORY_AT}
+        n1 = l2(v["layer_input"])
+        assert torch.equal(v["attention_norm_output"], n1)
+        mid = n1 + (block.lambda_1 * block.lambda_scale).abs() * (v["attention_output"] - n1)
+        assert torch.equal(v["layer_mid"], mid)
+        n2 = l2(mid)
+        out = n2 + (block.lambda_2 * block.lambda_scale).abs() * (v["mlp_output"] - n2)
+        assert torch.equal(v["layer_output"], out)
+        runs[i] = runs.get(i, 0) + 1
+    # the runs differ: a loop sees another stream, so reading the first run everywhere would be wrong
+    assert not torch.equal(saved[(2, 0, "layer_output")], saved[(2, 1, "layer_output")])
+    assert all(result.exact for result in check_identity(model, IDS))
+
+
+def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
+    """The plain model's logits with ``edit`` applied to the tensor at ``module`` on its ``call``-th call only."""
+    seen = [-1]
+
+    def pre(m, args):
+        seen[0] += 1
+        return (edit(args[0]), *args[1:]) if seen[0] == call else None
+
+    def post(m, args, out):
+        seen[0] += 1
+        return edit(out) if seen[0] == call else None
+
+    handle = module.register_forward_pre_hook(pre) if side == "in" else module.register_forward_hook(post)
+    try:
+        with torch.no_grad():
+            return hf_model(input_ids=ids).logits
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_output", "layer_input", "layer_output"])
+def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(name):
+    model, hf_model = make()
+    block = hf_model.model.layers[2]
+    path, side = DORY_AT[name]
+    module = block.get_submodule(path) if path else block
+    expected = run_with_hook(hf_model, module, side, 1, lambda t: t * 0.5 + 0.25)
+    with torch.no_grad(), model.trace(IDS):
+        at = model.layers[2].run(1)
+        owner = getattr(at, SUBLAYER[name]) if name in SUBLAYER else at
+        tensor = getattr(owner, name)
+        tensor[:] = tensor * 0.5 + 0.25  # in place
+        logits = model.logits.save()
+    assert torch.equal(logits, expected)
+    assert not torch.equal(logits, run_with_hook(hf_model, module, side, 0, lambda t: t * 0.5 + 0.25))
+    with torch.no_grad(), model.trace(IDS):  # an assignment, of a later run
+        at = model.layers[2].run(2)
+        owner = getattr(at, SUBLAYER[name]) if name in SUBLAYER else at
+        setattr(owner, name, getattr(owner, name) * 0.5 + 0.25)
+        logits = model.logits.save()
+    assert torch.equal(logits, run_with_hook(hf_model, module, side, 2, lambda t: t * 0.5 + 0.25))
+
+
+def test_a_looped_value_without_a_run_an_absent_run_and_an_earlier_run_after_a_later_one_are_refused():
+    model, _ = make()
+    with pytest.raises(RunNotChosen, match=r"layers\[2\] runs 3 times.*run\(k\)\.layer_output"):
+        with model.trace(IDS):
+            model.layers[2].layer_output.save()
+    with pytest.raises(RunNotChosen, match="run"):
+        with model.trace(IDS):
+            model.layers[1].self_attn.attention_output.save()
+    with pytest.raises(IndexError, match="runs 3 times"):
+        model.layers[2].run(3)
+    with pytest.raises(IndexError, match="runs 1 time "):
+        model.layers[0].run(1)
+    with pytest.raises(OutOfOrderError, match="already ran past"):
+        with model.trace(IDS):
+            model.layers[3].run(1).layer_output.save()
+            model.layers[2].run(1).layer_output.save()
+    with pytest.raises(ValueError, match="a skip replaces one call"):
+        with model.trace(IDS):
+            skip_layers(model, 2, stream=torch.zeros(2, 7, 32))
+    with model.trace(IDS):  # blocks that run once read as on any model, and the runs in order after a refusal
+        first = model.layers[0].layer_output.save()
+        later = model.layers[1].run(2).layer_output.save()
+        logits = model.logits.save()
+    assert first.shape == later.shape == (2, 7, 32) and logits.shape == (2, 7, 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_project_on_vocab_of_the_last_block_is_the_logits(dtype):
+    model, _ = make(dtype)
+    with torch.no_grad(), model.trace(IDS):
+        last = model.layers[-1].layer_output.save()
+        logits = model.logits.save()
+    with torch.no_grad():
+        assert torch.equal(model.project_on_vocab(last), logits)
+
+
+def test_the_attention_internals_are_read_at_each_run():
+    model, hf_model = make()
+    model.enable_attention_values()
+    v_proj, calls = hf_model.model.layers[2].self_attn.v_proj, []
+    handle = v_proj.register_forward_hook(lambda m, a, o: calls.append(o.detach().clone()))
+    try:
+        with torch.no_grad(), model.trace(IDS):
+            first = model.layers[2].run(0).self_attn.attention_probabilities.save()
+            attention = model.layers[2].run(2).self_attn
+            values = attention.values.save()
+            probabilities = attention.attention_probabilities.save()
+    finally:
+        handle.remove()
+    assert len(calls) == 3
+    assert torch.equal(values, calls[2].view(values.shape))  # [batch, seq, kv_heads, head_dim], the third call's
+    assert probabilities.shape == (2, 4, 7, 7) and not torch.equal(first, probabilities)
+    assert torch.allclose(probabilities.sum(-1), torch.ones(2, 4, 7))
+    assert torch.equal(probabilities.triu(1), torch.zeros_like(probabilities))  # causal
+
+
+def test_the_default_config_miniature_is_proven():
+    torch.manual_seed(0)
+    config = miniature_config(CONFIG_MAPPING["dory"](num_hidden_layers=6, n_input_layers=1, n_output_layers=1))
+    model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(),
+                                    tokenizer=tiny_tokenizer(256))
+    assert config.n_recurrent_loops > 1 and max(model.runs_of(i) for i in range(model.num_layers)) > 1
+    assert all(result.exact for result in check_identity(model, IDS))
