@@ -281,10 +281,13 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout", "vocab_projection"):
         if getattr(family, what):
             check(what, getattr(family, what), model)
+    for path in family.stacks:
+        check("stacks", path, model)
     if problems:
         return problems
     text_config = config.get_text_config()
-    for i, block in enumerate(model.get_submodule(family.layers)):
+    blocks = [(f"{path}.{j}.", block) for path in family.block_lists for j, block in enumerate(model.get_submodule(path))]
+    for i, (prefix, block) in enumerate(blocks):
         spec = family.block(text_config, i)
         has_attention = isinstance(spec.resolve("attention_output"), At)  # not a hybrid's other blocks
         has_mlp = isinstance(spec.resolve("mlp_output"), At)  # not a recurrent block
@@ -293,7 +296,7 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
                   **{f"'{name}'": location.path for name, location in {**spec.values, **spec.extra}.items()
                      if isinstance(location, At) and location.path}}
         for what, path in places.items():
-            check(f"layer {i}: {what}", path, block, prefix=f"{family.layers}.{i}.")
+            check(f"layer {i}: {what}", path, block, prefix=prefix)
         if problems:  # the first block that misses a path says it all
             return problems
     return problems

@@ -102,12 +102,13 @@ def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwarg
     and every value read from them noise (transformers only logs it). A few missing weights (a norm that a loading
     option added to the checkpoint's architecture) are left to transformers' warning."""
     model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
-    prefix = family.layers + "."
-    missing = {key for key in info.get("missing_keys", ()) if key.startswith(prefix)}
+    prefixes = tuple(f"{path}." for path in family.block_lists)
+    missing = {key for key in info.get("missing_keys", ()) if key.startswith(prefixes)}
     blocks: dict[str, set[str]] = {}
     for key, _ in model.named_parameters():
-        if key.startswith(prefix):
-            blocks.setdefault(key[len(prefix):].partition(".")[0], set()).add(key)
+        for prefix in prefixes:
+            if key.startswith(prefix):
+                blocks.setdefault(prefix + key[len(prefix):].partition(".")[0], set()).add(key)
     if any(weights <= missing for weights in blocks.values()):
         raise ValueError(
             f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
@@ -183,17 +184,23 @@ class StandardizedTransformer(TransformersModel):
             tokenizer=tokenizer,
             task="text-generation",
             rename=family.rename(),
-            envoys={
-                family.layers: LayersEnvoy,
-                f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
-                **({f"{family.layers}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
-                **({f"{family.layers}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
+            envoys={pattern: envoy for blocks in family.block_lists for pattern, envoy in {
+                blocks: LayersEnvoy,
+                f"{blocks}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
+                **({f"{blocks}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
+                **({f"{blocks}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
                    if family.mlp else {}),
-            },
+            }.items()},
             **({"dispatch": False, **from_pretrained_kwargs} if lazy else {}),
         )
         model = self._module  # lazy: the weightless model that stands in until the first trace
         self._nnterp_family = family
+        # the native path of each block; where the blocks are in several lists (stacks), ``model.layers`` is all of
+        # them in order, a list of their envoys
+        self._nnterp_block_paths = tuple(f"{path}.{i}" for path in family.block_lists
+                                         for i in range(len(model.get_submodule(path))))
+        if family.stacks:
+            self.__dict__["layers"] = StackedLayers([self._envoy_at(path) for path in self._nnterp_block_paths])
         self._nnterp_text_config = model.config.get_text_config()
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
@@ -243,7 +250,7 @@ class StandardizedTransformer(TransformersModel):
         family = self.family
         lines = [tree, "",
                  f"Standard names ({family.name} family, {self.num_layers} blocks):",
-                 f"  model.layers[i] = {family.layers}[i]",
+                 f"  model.layers[i] = {' then '.join(f'{path}[i]' for path in family.block_lists)}",
                  f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
                  f"model.lm_head = {family.lm_head}"
                  + (f" (then {family.vocab_projection}, the projection on the vocabulary)" if family.vocab_projection else "")]
@@ -449,7 +456,7 @@ class StandardizedTransformer(TransformersModel):
 
     def block_path(self, layer: int, path: str = "") -> str:
         """The native module name of ``path`` (relative to block ``layer``) in the HF model."""
-        return ".".join(filter(None, (self.family.layers, str(layer % self.num_layers), path)))
+        return ".".join(filter(None, (self._nnterp_block_paths[layer % self.num_layers], path)))
 
     def location(self, layer: int, name: str) -> At:
         """Where value ``name`` of block ``layer`` is read; ``ValueUnavailable`` where it has no meaning."""
@@ -644,6 +651,20 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+class StackedLayers(list):
+    """``model.layers`` where the blocks are in several lists (stacks): their envoys, in order. ``_module`` lists
+    their modules (a plain list: nothing is added to the model)."""
+
+    @property
+    def _module(self) -> list[torch.nn.Module]:
+        return [envoy._module for envoy in self]
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and not -len(self) <= key < len(self):
+            raise IndexError(f"Layer {key} is out of range: the model has {len(self)} layers (0 to {len(self) - 1}).")
+        return list.__getitem__(self, key)
 
 
 def _unpin(mediator: Mediator | None) -> None:

@@ -1,9 +1,10 @@
-"""Looped models (Dory): blocks that run several times per forward pass, with values per run, against plain hooks.
+"""Looped models (Dory, HRM-Text): blocks that run several times per forward pass, with values per run, against
+plain hooks.
 
 Ground truth: forward hooks on the unwrapped model record every call of every block and of its sublayer modules
-(boundaries written from transformers' DoryDecoderLayer), in call order; run k of a block is its k-th call. The
-identity is the block's own arithmetic, written here: the L2 norm and the interpolation towards each sublayer's
-normalised output at the rate |λ·s|.
+(boundaries written from transformers' DoryDecoderLayer and HrmTextDecoderLayer), in call order; run k of a block
+is its k-th call. The identities are the blocks' own arithmetic, written here: Dory's L2 norm and interpolation
+towards each sublayer's normalised output at the rate |λ·s|; HRM-Text's sequential adds.
 """
 
 from __future__ import annotations
@@ -34,21 +35,52 @@ DORY_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm
            "mlp_output": ("post_feedforward_layernorm", "out"), "layer_output": ("", "out")}
 SUBLAYER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
             "mlp_neurons": "mlp", "mlp_output": "mlp"}
-CASES = {"dory": ("dory", DORY_AT)}  # for the census (tests/test_coverage.py)
+HRM_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
+          "attention_premix": ("self_attn.o_proj", "in"), "attention_output": ("self_attn", "out"),
+          "layer_mid": ("post_attention_layernorm", "in"), "mlp_norm_output": ("post_attention_layernorm", "out"),
+          "mlp_input": ("mlp", "in"), "mlp_activation": ("mlp.act_fn", "out"), "mlp_neurons": ("mlp.down_proj", "in"),
+          "mlp_output": ("mlp", "out"), "layer_output": ("", "out")}
 
 
-def make(dtype=torch.float32):
-    hf_model = build_tiny(BY_MODEL_TYPE["dory"].tiny_config(), dtype)
+def l2(x):
+    return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+def dory_adds(block, v):
+    """Dory's block: normalise, move towards the sublayer's normalised output at |λ·s|, twice."""
+    n1 = l2(v["layer_input"])
+    mid = n1 + (block.lambda_1 * block.lambda_scale).abs() * (v["attention_output"] - n1)
+    n2 = l2(mid)
+    return (torch.equal(v["attention_norm_output"], n1) and torch.equal(v["layer_mid"], mid)
+            and torch.equal(v["layer_output"], n2 + (block.lambda_2 * block.lambda_scale).abs() * (v["mlp_output"] - n2)))
+
+
+def sequential_adds(block, v):
+    mid = v["layer_input"] + v["attention_output"]
+    return torch.equal(v["layer_mid"], mid) and torch.equal(v["layer_output"], mid + v["mlp_output"])
+
+
+# model type -> (the truth's places, the blocks in standard order from the plain model, the block's arithmetic)
+CASES = {
+    "dory": ("dory", DORY_AT, lambda hf: list(hf.model.layers), dory_adds),
+    "hrm_text": ("hrm_text", HRM_AT, lambda hf: [*hf.model.L_module.layers, *hf.model.H_module.layers], sequential_adds),
+}
+
+
+def make(case="dory", dtype=torch.float32):
+    hf_model = build_tiny(BY_MODEL_TYPE[case].tiny_config(), dtype)
     return StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer()), hf_model
 
 
-def capture(hf_model, ids=IDS):
-    """Every call of every block, in order, and each call's tensors at DORY_AT: (calls, {(layer, run, name)}, logits)."""
+def capture(hf_model, case="dory", ids=IDS):
+    """Every call of every block, in order, and each call's tensors at the truth's places:
+    (calls, {(layer, run, name)}, logits)."""
+    _, truth, blocks, _ = CASES[case]
     calls, captured, handles = [], {}, []
     runs: dict[tuple[int, str], int] = {}
-    for i, block in enumerate(hf_model.model.layers):
+    for i, block in enumerate(blocks(hf_model)):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
-        for name, (path, side) in DORY_AT.items():
+        for name, (path, side) in truth.items():
             module = block.get_submodule(path) if path else block
 
             def record(tensor, i=i, name=name):
@@ -56,9 +88,11 @@ def capture(hf_model, ids=IDS):
                 captured[(i, run, name)] = tensor.detach().clone()
 
             if side == "in":
-                handles.append(module.register_forward_pre_hook(lambda m, a, record=record: record(a[0])))
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, k, record=record: record(a[0] if a else k["hidden_states"]), with_kwargs=True))
             else:
-                handles.append(module.register_forward_hook(lambda m, a, o, record=record: record(o)))
+                handles.append(module.register_forward_hook(
+                    lambda m, a, o, record=record: record(o[0] if isinstance(o, tuple) else o)))
     try:
         with torch.no_grad():
             logits = hf_model(input_ids=ids).logits
@@ -66,10 +100,6 @@ def capture(hf_model, ids=IDS):
         for handle in handles:
             handle.remove()
     return calls, captured, logits
-
-
-def l2(x):
-    return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)).type_as(x)
 
 
 def read_runs(model, ids=IDS):
@@ -86,11 +116,11 @@ def read_runs(model, ids=IDS):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_run_of_every_block_equals_the_hooks_and_the_interpolation_holds(dtype):
-    model, hf_model = make(dtype)
-    calls, expected, expected_logits = capture(hf_model)
-    config = hf_model.config
-    assert config.n_recurrent_loops == 3 and config.n_recurrent_layers == 3
+@pytest.mark.parametrize("case", CASES)
+def test_every_run_of_every_block_equals_the_hooks_and_the_identity_holds(case, dtype):
+    model, hf_model = make(case, dtype)
+    calls, expected, expected_logits = capture(hf_model, case)
+    assert max(calls.count(i) for i in set(calls)) >= 3  # the tiny config loops
     assert [layer for layer, _ in model.schedule] == calls  # the forward's own call order
     assert {i: model.runs_of(i) for i in range(model.num_layers)} == {i: calls.count(i) for i in range(model.num_layers)}
     saved, logits = read_runs(model)
@@ -98,19 +128,11 @@ def test_every_run_of_every_block_equals_the_hooks_and_the_interpolation_holds(d
     assert {key for key in saved} == {key for key in expected}  # every value of every run, nothing else
     for key, tensor in saved.items():
         assert torch.equal(tensor, expected[key].reshape(tensor.shape)), key
-    runs = {}
+    _, truth, blocks, adds = CASES[case]
     for i, run in model.schedule:
-        block, v = hf_model.model.layers[i], {name: saved[(i, run, name)] for name in DORY_AT}
-        n1 = l2(v["layer_input"])
-        assert torch.equal(v["attention_norm_output"], n1)
-        mid = n1 + (block.lambda_1 * block.lambda_scale).abs() * (v["attention_output"] - n1)
-        assert torch.equal(v["layer_mid"], mid)
-        n2 = l2(mid)
-        out = n2 + (block.lambda_2 * block.lambda_scale).abs() * (v["mlp_output"] - n2)
-        assert torch.equal(v["layer_output"], out)
-        runs[i] = runs.get(i, 0) + 1
+        assert adds(blocks(hf_model)[i], {name: saved[(i, run, name)] for name in truth}), (i, run)
     # the runs differ: a loop sees another stream, so reading the first run everywhere would be wrong
-    assert not torch.equal(saved[(2, 0, "layer_output")], saved[(2, 1, "layer_output")])
+    assert not torch.equal(saved[(1, 0, "layer_output")], saved[(1, 1, "layer_output")])
     assert all(result.exact for result in check_identity(model, IDS))
 
 
@@ -124,7 +146,9 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
 
     def post(m, args, out):
         seen[0] += 1
-        return edit(out) if seen[0] == call else None
+        if seen[0] != call:
+            return None
+        return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
 
     handle = module.register_forward_pre_hook(pre) if side == "in" else module.register_forward_hook(post)
     try:
@@ -135,12 +159,17 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
 
 
 @pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_output", "layer_input", "layer_output"])
-def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(name):
-    model, hf_model = make()
-    block = hf_model.model.layers[2]
-    path, side = DORY_AT[name]
+@pytest.mark.parametrize("case", CASES)
+def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name):
+    model, hf_model = make(case)
+    _, truth, blocks, _ = CASES[case]
+    block = blocks(hf_model)[2]
+    path, side = truth[name]
     module = block.get_submodule(path) if path else block
-    expected = run_with_hook(hf_model, module, side, 1, lambda t: t * 0.5 + 0.25)
+    def edit(t):  # in place, as the trace's edit: where the block keeps using the tensor (its residual), it sees it
+        return t.copy_(t * 0.5 + 0.25)
+
+    expected = run_with_hook(hf_model, module, side, 1, edit)
     with torch.no_grad(), model.trace(IDS):
         at = model.layers[2].run(1)
         owner = getattr(at, SUBLAYER[name]) if name in SUBLAYER else at
@@ -148,13 +177,14 @@ def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(name):
         tensor[:] = tensor * 0.5 + 0.25  # in place
         logits = model.logits.save()
     assert torch.equal(logits, expected)
-    assert not torch.equal(logits, run_with_hook(hf_model, module, side, 0, lambda t: t * 0.5 + 0.25))
-    with torch.no_grad(), model.trace(IDS):  # an assignment, of a later run
-        at = model.layers[2].run(2)
+    assert not torch.equal(logits, run_with_hook(hf_model, module, side, 0, edit))
+    last = model.runs_of(2) - 1
+    with torch.no_grad(), model.trace(IDS):  # an assignment, of the last run
+        at = model.layers[2].run(last)
         owner = getattr(at, SUBLAYER[name]) if name in SUBLAYER else at
         setattr(owner, name, getattr(owner, name) * 0.5 + 0.25)
         logits = model.logits.save()
-    assert torch.equal(logits, run_with_hook(hf_model, module, side, 2, lambda t: t * 0.5 + 0.25))
+    assert torch.equal(logits, run_with_hook(hf_model, module, side, last, edit))
 
 
 def test_a_looped_value_without_a_run_an_absent_run_and_an_earlier_run_after_a_later_one_are_refused():
@@ -184,10 +214,12 @@ def test_a_looped_value_without_a_run_an_absent_run_and_an_earlier_run_after_a_l
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_project_on_vocab_of_the_last_block_is_the_logits(dtype):
-    model, _ = make(dtype)
+@pytest.mark.parametrize("case", CASES)
+def test_project_on_vocab_of_the_last_block_is_the_logits(case, dtype):
+    model, _ = make(case, dtype)
+    layer, run = model.schedule[-1]
     with torch.no_grad(), model.trace(IDS):
-        last = model.layers[-1].layer_output.save()
+        last = model.layers[layer].run(run).layer_output.save()
         logits = model.logits.save()
     with torch.no_grad():
         assert torch.equal(model.project_on_vocab(last), logits)
@@ -213,10 +245,12 @@ def test_the_attention_internals_are_read_at_each_run():
     assert torch.equal(probabilities.triu(1), torch.zeros_like(probabilities))  # causal
 
 
-def test_the_default_config_miniature_is_proven():
+@pytest.mark.parametrize("case", CASES)
+def test_the_default_config_miniature_is_proven(case):
     torch.manual_seed(0)
-    config = miniature_config(CONFIG_MAPPING["dory"](num_hidden_layers=6, n_input_layers=1, n_output_layers=1))
+    changes = {"dory": dict(num_hidden_layers=6, n_input_layers=1, n_output_layers=1), "hrm_text": {}}
+    config = miniature_config(CONFIG_MAPPING[case](**changes[case]))
     model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(),
                                     tokenizer=tiny_tokenizer(256))
-    assert config.n_recurrent_loops > 1 and max(model.runs_of(i) for i in range(model.num_layers)) > 1
+    assert max(model.runs_of(i) for i in range(model.num_layers)) > 1
     assert all(result.exact for result in check_identity(model, IDS))

@@ -293,11 +293,13 @@ def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requ
     assert requests
 
 
-def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(checkpoints, requests):
-    """Dory's looped section: every value of every run of every block, and an edit of one run, locally and on the
-    plain server model (the run is chosen by pinning nnsight's occurrence, which the server does as well)."""
-    folder = checkpoints / "dory"
-    build_tiny(BY_MODEL_TYPE["dory"].tiny_config()).save_pretrained(folder)
+@pytest.mark.parametrize("model_type", ["dory", "hrm_text"])
+def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpoints, requests):
+    """Dory's looped section and HRM-Text's two looped stacks: every value of every run of every block, and edits
+    of runs, locally and on the plain server model (a run is chosen by pinning nnsight's occurrence, which the
+    server does as well)."""
+    folder = checkpoints / model_type
+    build_tiny(BY_MODEL_TYPE[model_type].tiny_config()).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     huggingface._ID_CACHE[str(folder)] = str(folder)
     model = StandardizedTransformer(str(folder), attention_values=True)
@@ -312,8 +314,8 @@ def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(checkpoints, reques
                     saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
             saved["logits"] = model.logits
         with torch.no_grad(), model.trace(IDS, remote=remote):
-            model.layers[2].run(1).self_attn.attention_output[:] *= 0.5
-            model.layers[2].run(2).layer_input = model.layers[2].run(2).layer_input * 0.5
+            model.layers[1].run(1).self_attn.attention_output[:] *= 0.5
+            model.layers[2].run(1).layer_input = model.layers[2].run(1).layer_input * 0.5
             edited = model.logits.save()
         return {**saved, "edited": edited}
 

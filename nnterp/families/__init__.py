@@ -54,7 +54,7 @@ from .inkling import INKLING
 from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
-from .looped import DORY
+from .looped import DORY, HRM_TEXT
 from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
@@ -87,7 +87,7 @@ FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
 FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
-FAMILIES += (DORY,)  # a section of blocks that runs several times per pass (tests/test_looped.py)
+FAMILIES += (DORY, HRM_TEXT)  # a section of blocks that runs several times per pass (tests/test_looped.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {

@@ -115,6 +115,13 @@ class Family:
     # Dory): a function of the (text) config giving block indices; None: every block once, in order. A block that
     # runs several times serves its values per run (``layers[i].run(k)``)
     schedule: Callable[[PretrainedConfig], tuple[int, ...]] | None = None
+    # further block lists, whose blocks follow those of ``layers`` in ``model.layers`` (HRM-Text's two stacks)
+    stacks: tuple[str, ...] = ()
+
+    @property
+    def block_lists(self) -> tuple[str, ...]:
+        """Every ModuleList of blocks, in the order their blocks are numbered."""
+        return (self.layers, *self.stacks)
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""
