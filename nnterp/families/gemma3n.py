@@ -37,7 +37,8 @@ from .base import STANDARD, Block, Family, input, output, pre_norm_block, softca
 FORMULA = ("layer_output = P + (((P[0] + attention_output) + laurel) / sqrt(2) + mlp_output - P[0]) * (C + 1), "
            "then + per_layer on every stream but the first, where P = layer_input + layer_input @ A "
            "(A, C: altup.prediction_coefs' and altup.correction_coefs' outputs; laurel: laurel's output; "
-           "per_layer: post_per_layer_input_norm's output; P[0]: the active stream)")
+           "per_layer: post_per_layer_input_norm's output; P[0]: the active stream; the streams on the first axis, "
+           "as the model stacks them)")
 
 STREAM = dict(streams_first=True)
 
