@@ -42,10 +42,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "gemma3n_text": ("new shape: streams", "AltUp: each block predicts its streams from the incoming ones by learned "
-                                           "mixings, runs attention and the MLP on one of them (with a LAuReL branch, "
-                                           "adds scaled by 1/sqrt(2)), corrects every stream from the result and adds "
-                                           "per-layer inputs: layer_output is not layer_input plus contributions"),
     "inkling2_text": ("new shape: streams", "each sublayer reads a learned mix of earlier blocks' outputs "
                                             "(block_states), and on a block boundary the stream restarts from the "
                                             "attention's output without the incoming stream: no identity holds there"),

@@ -44,6 +44,9 @@ class At:
     prepends positions that are not tokens to the stream (CPM-Ant's learned prompt): an in-place
     edit of the view is an edit of those positions of the model's tensor, and an assignment
     replaces them, the prepended positions left as the model made them.
+    ``streams_first`` views a stream the model stacks as ``[streams, batch, seq, hidden]`` (Gemma-3n's
+    AltUp) as ``[batch, seq, streams, hidden]``, the layout of other parallel streams: a permuted view
+    of the same storage, so in-place edits are the model's and an assignment is permuted back.
     """
 
     path: str
@@ -58,12 +61,15 @@ class At:
     unflatten: bool = False
     heads_first: bool = False
     prefix: int = 0
+    streams_first: bool = False
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
             raise ValueError(f"side must be 'input' or 'output', not {self.side!r}")
         if self.prefix and (self.unflatten or self.heads_first):  # their sequence axis is not the second
             raise ValueError("prefix views [batch, seq, ...]: it does not combine with unflatten or heads_first")
+        if self.streams_first and (self.prefix or self.unflatten or self.heads_first or self.heads):
+            raise ValueError("streams_first views a whole stacked stream: it does not combine with other views")
 
     def describe(self) -> str:
         text = self.path or "<block>"
@@ -79,6 +85,8 @@ class At:
             text += " (flattened by the block; viewed as [batch, seq, ...])"
         if self.heads_first:
             text += " (viewed as [batch, seq, heads, dim])"
+        if self.streams_first:
+            text += " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
         if self.prefix:
             text += f" (without the {self.prefix} positions the model prepends to the tokens)"
         if self.copy:
@@ -137,6 +145,8 @@ class At:
             tensor = tensor[:, self.prefix :]
         if self.heads or self.unflatten:
             tensor = tensor.view(shape)
+        if self.streams_first:
+            return tensor.movedim(0, 2)
         return tensor.transpose(1, 2) if self.heads_first else tensor
 
     def _with_prefix(self, tensor, tokens):
@@ -146,7 +156,7 @@ class At:
     @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
-        return self.copy or self.heads or self.unflatten or self.heads_first or bool(self.prefix)
+        return self.copy or self.heads or self.unflatten or self.heads_first or self.streams_first or bool(self.prefix)
 
     def read(self, block_envoy, num_heads: int, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
@@ -167,7 +177,7 @@ class At:
             # What the model goes on with is derived from the reader's tensor, so gradients reach it and
             # edits made to it in place are the model's (a copy hands on a copy of itself: the model may
             # change what it is handed in place, and the reader's copy must not see that).
-            model_side = value.transpose(1, 2) if self.heads_first else value
+            model_side = value.transpose(1, 2) if self.heads_first else value.movedim(2, 0) if self.streams_first else value
             model_side = model_side.view(self._token_shape(tensor.shape)) if (self.heads or self.unflatten) else model_side
             model_side = self._with_prefix(tensor, model_side.clone() if self.copy else model_side)
             return self._replaced(raw, model_side)
@@ -191,6 +201,8 @@ class At:
         expected = self._view_shape(block_envoy, current.shape, num_heads)
         if self.heads_first:
             expected = (expected[0], expected[2], expected[1], *expected[3:])
+        if self.streams_first:
+            expected = (*expected[1:3], expected[0], *expected[3:])
         if not isinstance(value, torch.Tensor):
             raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
         if tuple(value.shape) != tuple(expected):
@@ -208,7 +220,12 @@ class At:
                 f"'{key}' is on {current.device}; the assigned tensor is on {value.device}. "
                 f"Move it first, e.g. value.to('{current.device}')."
             )
-        value = value.transpose(1, 2) if self.heads_first else value.reshape(self._token_shape(current.shape))
+        if self.heads_first:
+            value = value.transpose(1, 2)
+        elif self.streams_first:
+            value = value.movedim(2, 0)
+        else:
+            value = value.reshape(self._token_shape(current.shape))
         if self.shared:
             current[:, self.prefix :].copy_(value)  # the prepended positions stay the model's
         elif self.side == "output":

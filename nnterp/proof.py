@@ -223,7 +223,8 @@ def _placement_problems(model, layer: int, values, label: str) -> list[str]:
     attention = model.family.attention if isinstance(block.resolve("attention_output"), At) else None
     names = [name for name, _ in (*module.named_modules(), *module.named_parameters())
              if not (attention and name.startswith(attention + "."))]
-    has_experts = any("expert" in name or "router" in name for name in names)  # experts, or a router over them
+    # experts, or a router over them (not AltUp's, under ``altup``: it weighs Gemma-3n's streams, not experts)
+    has_experts = any("expert" in name or "router" in name for name in names if not name.startswith("altup."))
     labelled_routed = block.values.get("mlp_activation") is ROUTED
     # the label is the block's one MLP's: a block whose MLP contribution is unavailable (LongCat-Flash's two dense
     # pairs and routed shortcut) has none to label

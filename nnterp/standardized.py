@@ -432,9 +432,12 @@ class StandardizedTransformer(TransformersModel):
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
         self._nnterp_resolved: dict[tuple[int, str], tuple] = {}
-        # a block that places the internals itself (unavailable: a hybrid's block without attention) keeps them
-        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**where, **block.values})
-                                    for block in self._nnterp_structure)
+        # a block that places the internals itself (unavailable: a hybrid's block without attention) keeps them;
+        # where it reads them elsewhere (Gemma-3n's shared keys, read as copies), only while they are on
+        off = {name for name, location in where.items() if isinstance(location, Unavailable)}
+        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**where, **{
+            name: location for name, location in block.values.items() if not (name in off and isinstance(location, At))
+        }}) for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
                                        for i, block in enumerate(self._nnterp_blocks)
                                        for location in (*block.values.values(), *block.extra.values())

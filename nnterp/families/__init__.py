@@ -30,6 +30,7 @@ from .deepseek_v4 import DEEPSEEK_V4
 from .dual_pair import LONGCAT_FLASH
 from .falcon import FALCON
 from .gated import DOGE, ZAYA
+from .gemma3n import GEMMA3N
 from .gemma4 import GEMMA4, GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL
 from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
@@ -88,6 +89,7 @@ FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX,
 FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
 FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
 FAMILIES += (DORY, HRM_TEXT)  # a section of blocks that runs several times per pass (tests/test_looped.py)
+FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_gemma3n.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
