@@ -199,6 +199,32 @@ def problems_of(model) -> list[str]:
             problems.append(f"{label}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
                             + _suspects(model.block_spec(i), values))
         problems += _placement_problems(model, i, values, label)
+    return problems + _run_problems(model, ids)
+
+
+def _run_problems(model, ids) -> list[str]:
+    """Where blocks run several times per pass, a run is read at the same occurrence of each place: every module a
+    block's values are read at must run once per run of the block (not, say, once per query, key and value on
+    some runs), or a run's value would be another call's."""
+    if model.family.schedule is None:
+        return []
+    counts: dict[str, int] = {}
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+               for name, module in model._module.named_modules()]
+    try:
+        with torch.no_grad():
+            model._module(input_ids=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    problems = []
+    for i in range(model.num_layers):
+        block = model.block_spec(i)
+        for name, location in (*block.values.items(), *block.extra.items()):
+            path = model.block_path(i, location.path) if isinstance(location, At) else None
+            if path is not None and counts.get(path, 0) != model.runs_of(i):
+                problems.append(f"layer {i}: '{name}' is read at {path}, which runs {counts.get(path, 0)} times in a "
+                                f"pass, not once per run of the block ({model.runs_of(i)}): its runs cannot be told apart")
     return problems
 
 

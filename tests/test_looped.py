@@ -20,6 +20,7 @@ from nnterp.edits import skip_layers
 from nnterp.errors import RunNotChosen
 from nnterp.families import BY_MODEL_TYPE
 from nnterp.miniature import miniature_config
+from nnterp.standardized import schedule_of
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
@@ -254,3 +255,21 @@ def test_the_default_config_miniature_is_proven(case):
                                     tokenizer=tiny_tokenizer(256))
     assert max(model.runs_of(i) for i in range(model.num_layers)) > 1
     assert all(result.exact for result in check_identity(model, IDS))
+
+
+def test_the_proof_refuses_a_schedule_that_is_not_the_models():
+    """A spec that says the looped blocks run once, or twice, while the model runs them three times: a run's values
+    would be another call's, so the proof names the blocks, from the calls it counts with hooks."""
+    import dataclasses
+
+    from nnterp.validation import problems_of
+
+    model, _ = make()
+    assert problems_of(model) == []
+    right = model._nnterp_family
+    for schedule in (lambda config: tuple(range(5)), lambda config: (0, 1, 2, 3, 1, 2, 3, 4)):
+        model._nnterp_family = dataclasses.replace(right, schedule=schedule)
+        model._nnterp_schedule = schedule_of(model._nnterp_family, model._nnterp_text_config, 5)
+        problems = problems_of(model)
+        assert problems and all("runs 3 times in a pass, not once per run" in p for p in problems)
+        assert {p.split(":")[0] for p in problems} == {"layer 1", "layer 2", "layer 3"}
