@@ -128,7 +128,10 @@ def family_page(family: Family) -> str:
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
              f"| `layers[i].self_attn` | {_attention_module(family)} |",
              f"| `layers[i].mlp` | {_mlp_module(family, found)} |", ""]
-    if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
+    if family.readout_unavailable:
+        lines += [f"Reading out a stream (`project_on_vocab`, the logit lens) is refused: {family.readout_unavailable}.",
+                  ""]
+    elif family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
             or family.vocab_projection:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")

@@ -76,6 +76,10 @@ class StandardValue:
         return slot.model.read_value(slot.layer, self.name, run=slot.run)
 
     def __set__(self, envoy, value: torch.Tensor) -> None:
+        if isinstance(value, Envoy):  # nnsight mounting a module of the block that has this value's name (Inkling-2's
+            # mlp_input): it goes under nnsight's prefix for the names an envoy serves itself (layers[i].E_mlp_input)
+            envoy.__dict__[f"{Envoy.OVERLOAD_PREFIX}{self.name}"] = value
+            return
         slot = envoy._nnterp_slot
         if not in_trace():
             key = slot.model._resolved(slot.layer, self.name)[1]

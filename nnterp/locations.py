@@ -11,6 +11,7 @@ place of the module's own, keeping any tuple around it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -100,9 +101,15 @@ class At:
         return block.get_submodule(self.path) if self.path else block
 
     def envoy(self, block_envoy):
+        from nnsight import Envoy
+
         envoy = block_envoy
         for part in filter(None, self.path.split(".")):
-            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+            if part.isdigit():
+                envoy = envoy[int(part)]
+            else:  # a module named like something the envoy serves (a standard value) is mounted under nnsight's prefix
+                served = inspect.isdatadescriptor(getattr(type(envoy), part, None))
+                envoy = getattr(envoy, f"{Envoy.OVERLOAD_PREFIX}{part}" if served else part)
         for part in filter(None, self.op.split(".")):
             envoy = getattr(envoy.source, part)
         return envoy

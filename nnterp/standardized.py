@@ -331,6 +331,7 @@ class StandardizedTransformer(TransformersModel):
         ``layer_output`` it gives the model's own logits.
         """
         family = self.family
+        self.refuse_unreadable_stream()
         if family.stream_readout:
             hidden = self._module.get_submodule(family.stream_readout)(hidden)
         norm_weight = getattr(self.ln_final._module, "weight", None)
@@ -350,6 +351,12 @@ class StandardizedTransformer(TransformersModel):
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits
+
+    def refuse_unreadable_stream(self) -> None:
+        """Raise ``NNterpError`` where the family has no readout of one stream (``project_on_vocab``, the lens)."""
+        if self.family.readout_unavailable:
+            raise NNterpError(f"project_on_vocab and the logit lens are unavailable on {self.family.name}: "
+                              f"{self.family.readout_unavailable}.")
 
     def dispatch(self) -> None:
         """Load the weights of a model built with ``dispatch=False`` (the first trace does it too)."""

@@ -31,6 +31,8 @@ class Block:
     ``extra`` tensors, read like values) in the order the model's code adds them.
     ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
     is exact, else the documented rounding (in ulps of the block's dtype).
+    ``mid(terms)`` recomputes ``layer_mid`` from the values, where the formula's first add does not
+    say it (a cast before the add; a block whose stream restarts: the token mixer's output alone).
     """
 
     values: dict[str, Location]
@@ -38,6 +40,7 @@ class Block:
     combine: Callable[[Terms, torch.nn.Module], torch.Tensor]
     extra: dict[str, At] = field(default_factory=dict)
     ulps: int = 0
+    mid: Callable[[Terms], torch.Tensor] | None = None
 
     def __post_init__(self):
         if "mixer_output" not in self.values:  # a block whose token mixer is its attention
@@ -117,6 +120,9 @@ class Family:
     schedule: Callable[[PretrainedConfig], tuple[int, ...]] | None = None
     # further block lists, whose blocks follow those of ``layers`` in ``model.layers`` (HRM-Text's two stacks)
     stacks: tuple[str, ...] = ()
+    # why no stream can be read out as the model reads its last block's output (a readout that mixes earlier blocks'
+    # outputs in too): project_on_vocab and the logit lens refuse with it; None: they read out through the head
+    readout_unavailable: str | None = None
 
     @property
     def block_lists(self) -> tuple[str, ...]:
