@@ -19,7 +19,7 @@ from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
 from .errors import NNterpError, RunNotChosen, UnknownArchitecture, ValueUnavailable
-from .families import Block, Family, family_of
+from .families import BY_MODEL_TYPE, Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
 from .selection import layer_ranges
 
@@ -88,9 +88,15 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
 
 
 def _architecture_of(config) -> type[PreTrainedModel]:
+    mapping = AutoModelForCausalLM._model_mapping
+    text_config = config.get_text_config()
     try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
+        return mapping[type(config)]
     except KeyError:
+        # an image-text type transformers builds no causal LM for, whose checkpoints load as their text model's
+        # (Inkling-2's): served where a family lists the type
+        if text_config is not config and type(text_config) in mapping and config.model_type in BY_MODEL_TYPE:
+            return mapping[type(text_config)]
         raise UnknownArchitecture(
             f"transformers has no causal language model for {type(config).__name__} (model_type "
             f"{config.model_type!r}); nnterp covers decoder language models."
@@ -174,6 +180,11 @@ class StandardizedTransformer(TransformersModel):
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         family = family_of(config, architecture.__name__) if lazy else family_of(model.config, type(model).__name__)
+        if not lazy and not _has_module(model, family.layers):  # another class of the type (an image-text one)
+            raise UnknownArchitecture(
+                f"{type(model).__name__} has no module '{family.layers}', where the {family.name} spec finds the "
+                f"blocks of its causal LM ({', '.join(family.model_types)}). Load the checkpoint by name or folder "
+                "(StandardizedTransformer(name)), which builds that causal LM, or wrap it.")
         if not lazy:
             model.eval()  # nnsight does not; dropout would make every value random
         # explicit base calls throughout: the class travels by value to remote servers, where a

@@ -13,11 +13,11 @@ import dataclasses
 import nnsight
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Inkling2ForConditionalGeneration
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nnterp import StandardizedTransformer, logit_lens
-from nnterp.errors import NNterpError
+from nnterp.errors import NNterpError, UnknownArchitecture
 from nnterp.families import BY_MODEL_TYPE
 from nnterp.miniature import miniature_config
 from nnterp.proof import problems_of
@@ -26,7 +26,7 @@ from nnterp.validation import check_identity
 from .conftest import perturb, tiny_tokenizer
 from .test_families import IDS, assert_placed_as_hooks, hooks_and_reads, register_edit, run_with_hook
 
-CASES = {"inkling2_text": ("inkling2_text",)}
+CASES = {"inkling2_text": ("inkling2_text",), "inkling2": ("inkling2",)}  # the image-text type: loaded by name
 
 
 def truth(blocks):
@@ -227,3 +227,27 @@ def test_inkling2_default_config_miniature():
     assert [i for i, block in enumerate(hf.model.layers) if block.is_block_boundary] == [0, 6]
     assert type(hf.model.layers[5]).__name__ == "Inkling2FullDecoderLayer"
     assert all(result.exact for result in check_identity(model, IDS))
+
+
+def test_inkling2_image_text_checkpoint_loads_as_its_text_model(tmp_path):
+    """A checkpoint of the image-text type, for which transformers has no causal LM class: loaded by name, the text
+    model with the checkpoint's weights, whose logits on text are the image-text model's; the image-text class itself
+    is refused with what to do."""
+    text = BY_MODEL_TYPE["inkling2_text"].tiny_config()
+    config = CONFIG_MAPPING["inkling2"](text_config=text.to_dict(), image_token_id=127, vision_config=dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, text_hidden_size=text.hidden_size,
+        projection_hidden_dim=32, patch_size=4, posemb_grid_size=4))
+    torch.manual_seed(0)
+    image_text = perturb(Inkling2ForConditionalGeneration(config)).eval()
+    image_text.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    model = StandardizedTransformer(str(tmp_path))  # proven on a miniature of the image-text config
+    assert type(model._module).__name__ == "Inkling2ForCausalLM" and model.family is BY_MODEL_TYPE["inkling2"]
+    with torch.no_grad():
+        expected = image_text(input_ids=IDS).logits
+    with torch.no_grad(), model.trace(IDS):
+        logits = model.logits.save()
+    assert torch.equal(logits, expected)
+    assert all(result.exact for result in check_identity(model, IDS))
+    with pytest.raises(UnknownArchitecture, match="by name"):
+        StandardizedTransformer(image_text, tokenizer=tiny_tokenizer())

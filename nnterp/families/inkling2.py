@@ -27,6 +27,11 @@ the MLP (a routed mixture) is called with. The mixes themselves are read nativel
 ``mlp_input`` has a standard value's name, so, as nnsight does for the names it serves itself, its
 envoy is under the prefix ``E_``; ``layers[i].mlp_input`` is the standard value).
 
+Inkling-2 checkpoints may carry the image-text config (``inkling2``), for which transformers has no causal
+LM class: loaded by name, the causal LM built from them is the text model (``Inkling2ForCausalLM``,
+whose weights transformers renames from the checkpoint's); ``Inkling2ForConditionalGeneration`` itself
+is not wrapped.
+
 The model reads its last layer's output out through a mix of it and every block summary
 (``model.final_input``) before the final norm, so a single stream cannot be read out the way the
 model does: ``project_on_vocab`` and the logit lens refuse on this family. Its attention is eager
@@ -80,7 +85,7 @@ def _block(config, i):
 
 
 INKLING2 = Family(
-    name="Inkling-2", model_types=("inkling2_text",), layers="model.layers", embed_tokens="model.embed_tokens",
+    name="Inkling-2", model_types=("inkling2_text", "inkling2"), layers="model.layers", embed_tokens="model.embed_tokens",
     ln_final="model.norm", attention="self_attn", mlp="mlp", block=_block,
     heads=lambda config, i: (config.swa_num_attention_heads if config.layer_types[i] == "hybrid_sliding"
                              else config.num_attention_heads),
