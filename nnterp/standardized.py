@@ -154,6 +154,9 @@ class StandardizedTransformer(TransformersModel):
             family = family_of(config, architecture.__name__)
             if family.checkpoint_keys:  # the user's own key_mapping, if any, wins
                 from_pretrained_kwargs = {"key_mapping": dict(family.checkpoint_keys), **from_pretrained_kwargs}
+            if lazy and type(config) not in AutoModelForCausalLM._model_mapping:
+                # an image-text config that loads as its text model (Inkling-2's): built, and loaded, from its text part
+                from_pretrained_kwargs = {"config": config.get_text_config(), **from_pretrained_kwargs}
             if not lazy:
                 model = _load_whole(architecture, model, family, from_pretrained_kwargs)
         elif from_pretrained_kwargs:

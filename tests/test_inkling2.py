@@ -230,9 +230,9 @@ def test_inkling2_default_config_miniature():
 
 
 def test_inkling2_image_text_checkpoint_loads_as_its_text_model(tmp_path):
-    """A checkpoint of the image-text type, for which transformers has no causal LM class: loaded by name, the text
-    model with the checkpoint's weights, whose logits on text are the image-text model's; the image-text class itself
-    is refused with what to do."""
+    """A checkpoint of the image-text type, for which transformers has no causal LM class: loaded by name (at once, or
+    lazily), the text model with the checkpoint's weights, whose logits on text are the image-text model's; the
+    image-text class itself is refused with what to do."""
     text = BY_MODEL_TYPE["inkling2_text"].tiny_config()
     config = CONFIG_MAPPING["inkling2"](text_config=text.to_dict(), image_token_id=127, vision_config=dict(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, text_hidden_size=text.hidden_size,
@@ -249,5 +249,9 @@ def test_inkling2_image_text_checkpoint_loads_as_its_text_model(tmp_path):
         logits = model.logits.save()
     assert torch.equal(logits, expected)
     assert all(result.exact for result in check_identity(model, IDS))
+    lazy = StandardizedTransformer(str(tmp_path), dispatch=False)  # built without weights, loaded at the first trace
+    with torch.no_grad(), lazy.trace(IDS):
+        lazy_logits = lazy.logits.save()
+    assert type(lazy._module).__name__ == "Inkling2ForCausalLM" and torch.equal(lazy_logits, expected)
     with pytest.raises(UnknownArchitecture, match="by name"):
         StandardizedTransformer(image_text, tokenizer=tiny_tokenizer())

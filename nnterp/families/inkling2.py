@@ -3,10 +3,9 @@
 The layers are grouped in blocks of ``n_layers_per_attn_res_block``. The stream a layer receives
 (``layer_input``) is the partial sum of its block so far; the summaries of the earlier blocks
 (``block_states``, the layer's second input) are kept aside. Neither sublayer reads the stream
-itself: each reads a learned attention mix of the block states and the partial sum
-(``attention_input``, three mixes on a full-attention layer: queries, keys, values;
-``mlp_input`` for the MLP), normed. An assignment to ``layer_input`` replaces the tensor the model
-keeps after the layer (on the first layer of a block, that block summary), as an edit in place does. Their outputs go through short convolutions
+itself: each reads a learned attention mix of the block states and the partial sum, normed
+(``attention_input``, three mixes on a full-attention layer: for the queries, keys and values;
+``mlp_input`` for the MLP). Their outputs go through short convolutions
 (``post_attention_convolution``, ``post_mlp_convolution``, computed in float32 and cast back)
 before they are added, so the contributions are read there. The partial sum is carried in float32
 between the two adds and cast back at the end:
@@ -17,20 +16,25 @@ between the two adds and cast back at the end:
 On the first layer of a block (``is_block_boundary``) the stream restarts: the incoming partial sum
 becomes the summary of the block it ended (appended to ``block_states``, for this layer's MLP mix
 and every later mix) and is not added to, so ``layer_mid`` is the attention's contribution alone.
+The model keeps a layer's input after the layer (there, as that summary): an assignment to
+``layer_input`` replaces the tensor it keeps, as an edit in place does.
+
 ``attention_norm_output`` is ``input_layernorm``'s output on the sliding-window layers (float32
 where it norms a mix; the attention is called with its cast to the model's dtype); on the
 full-attention layers three norms (``q_input_layernorm``, ``k_input_layernorm``,
-``v_input_layernorm``) norm three different mixes, so there is no one normed stream.
-``mlp_norm_output`` is the norm's float32 output; ``mlp_input`` its cast to the model's dtype, what
-the MLP (a routed mixture) is called with. The mixes themselves are read natively:
-``layers[i].attention_input.output`` (from layer 1 on) and ``layers[i].E_mlp_input.output`` (the block's module
-``mlp_input`` has a standard value's name, so, as nnsight does for the names it serves itself, its
-envoy is under the prefix ``E_``; ``layers[i].mlp_input`` is the standard value).
+``v_input_layernorm``) norm three different mixes, so there is no one normed stream. The output
+projection gates each head's mixed values (a sigmoid of ``gate_proj`` of the attention's input)
+before its linear map: ``attention_premix`` is the projection's input, before the gate. ``mlp_norm_output`` is
+the norm's float32 output; ``mlp_input`` its cast to the model's dtype, what the MLP (a routed
+mixture) is called with. The mixes themselves are read natively: ``layers[i].attention_input.output``
+(from layer 1 on) and ``layers[i].E_mlp_input.output`` (the block's module ``mlp_input`` has a
+standard value's name, so, as nnsight does for the names it serves itself, its envoy is under the
+prefix ``E_``; ``layers[i].mlp_input`` is the standard value).
 
-Inkling-2 checkpoints may carry the image-text config (``inkling2``), for which transformers has no causal
-LM class: loaded by name, the causal LM built from them is the text model (``Inkling2ForCausalLM``,
-whose weights transformers renames from the checkpoint's); ``Inkling2ForConditionalGeneration`` itself
-is not wrapped.
+Inkling-2 checkpoints may carry the image-text config (``inkling2``), for which transformers has no
+causal LM class: loaded by name, the causal LM built from them is the text model
+(``Inkling2ForCausalLM``, whose weights transformers renames from the checkpoint's);
+``Inkling2ForConditionalGeneration`` itself is not wrapped.
 
 The model reads its last layer's output out through a mix of it and every block summary
 (``model.final_input``) before the final norm, so a single stream cannot be read out the way the
@@ -54,13 +58,9 @@ THREE_NORMS = Unavailable(
     "(q_input_layernorm, k_input_layernorm, v_input_layernorm): no one normed stream feeds the attention")
 
 
-def _boundary(config, i) -> bool:
-    return i % config.n_layers_per_attn_res_block == 0
-
-
 def _block(config, i):
     sliding = config.layer_types[i] == "hybrid_sliding"
-    restarts = _boundary(config, i)
+    restarts = i % config.n_layers_per_attn_res_block == 0  # the layer's is_block_boundary
     base = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="",
