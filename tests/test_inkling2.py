@@ -49,8 +49,9 @@ def truth(blocks):
 
 
 def make(dtype=torch.float32):
+    """Built in ``dtype`` as a checkpoint loads: the modules the class keeps in float32 (its router, convolutions and
+    mixes) stay so; cast whole, its router would not run."""
     torch.manual_seed(0)
-    # built in the dtype as a checkpoint loads: the modules the class keeps in float32 stay so
     hf = perturb(AutoModelForCausalLM.from_config(BY_MODEL_TYPE["inkling2_text"].tiny_config(), dtype=dtype)).eval()
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())  # proven on a miniature at load
     hf.base_model_blocks = hf.model.layers
@@ -76,6 +77,8 @@ def layer_inputs(hf, module_of, ids=IDS):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_inkling2_values_equal_hooks_and_the_layers_arithmetic_holds(dtype):
     model, hf = make(dtype)
+    assert hf.model.layers[0].post_mlp_convolution.conv1d.weight.dtype == torch.float32
+    assert hf.model.layers[0].self_attn.o_proj.linear.weight.dtype == dtype
     blocks = hf.model.layers
     shapes = {(block.is_block_boundary, type(block).__name__) for block in blocks}
     assert len(shapes) == 4  # boundary and not, sliding and full attention: every block shape is in the case
