@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
-from .errors import NNterpError, RunNotChosen, UnknownArchitecture, ValueUnavailable
+from .errors import NNterpError, ReadoutUnavailable, RunNotChosen, UnknownArchitecture, ValueUnavailable
 from .families import BY_MODEL_TYPE, Block, Family, family_of
 from .locations import At, SameAs, Unavailable, leading_shape
 from .selection import layer_ranges
@@ -367,9 +367,9 @@ class StandardizedTransformer(TransformersModel):
         return logits
 
     def refuse_unreadable_stream(self) -> None:
-        """Raise ``NNterpError`` where the family has no readout of one stream (``project_on_vocab``, the lens)."""
+        """Raise ``ReadoutUnavailable`` where the family has no readout of one stream (``project_on_vocab``, the lens)."""
         if self.family.readout_unavailable:
-            raise NNterpError(f"project_on_vocab and the logit lens are unavailable on {self.family.name}: "
+            raise ReadoutUnavailable(f"project_on_vocab and the logit lens are unavailable on {self.family.name}: "
                               f"{self.family.readout_unavailable}.")
 
     def dispatch(self) -> None:

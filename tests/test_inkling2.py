@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Inkling2ForConditionalGeneration
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nnterp import StandardizedTransformer, logit_lens
-from nnterp.errors import NNterpError, UnknownArchitecture
+from nnterp.errors import ReadoutUnavailable, UnknownArchitecture
 from nnterp.families import BY_MODEL_TYPE
 from nnterp.miniature import miniature_config
 from nnterp.proof import problems_of
@@ -196,9 +196,9 @@ def test_inkling2_attention_values_follow_the_layers_heads_sinks_and_mask():
 
 def test_inkling2_readout_is_refused_and_the_native_mix_is_reachable():
     model, hf = make()
-    with pytest.raises(NNterpError, match="final_input"):
+    with pytest.raises(ReadoutUnavailable, match="final_input"):
         logit_lens(model, "the cat sat")
-    with pytest.raises(NNterpError, match="final_input"), torch.no_grad(), model.trace(IDS):
+    with pytest.raises(ReadoutUnavailable, match="final_input"), torch.no_grad(), model.trace(IDS):
         model.project_on_vocab(model.layers[-1].layer_output)
     # the block's module named like the standard value is under nnsight's prefix; the value is what the MLP reads
     assert model.layers[1].E_mlp_input._module is hf.model.layers[1].mlp_input
