@@ -42,10 +42,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "inkling2_loop_text": ("new shape: topology", "Inkling-2's layers (served as inkling2_text) plus loop layers "
-                                                  "that run loop_num_passes times per pass, each later pass restarting "
-                                                  "from the pre-loop states and reading gated messages from the "
-                                                  "previous pass: not yet read per run"),
     "reformer": ("new shape: streams", "reversible residuals over two half streams, y1 = x1 + attention(x2), "
                                        "y2 = x2 + feed_forward(y1), passed between blocks as two tensors"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),

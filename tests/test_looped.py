@@ -1,10 +1,11 @@
-"""Looped models (Dory, HRM-Text): blocks that run several times per forward pass, with values per run, against
+"""Looped models (Dory, HRM-Text, Inkling-2-Loop): blocks that run several times per forward pass, with values per run, against
 plain hooks.
 
 Ground truth: forward hooks on the unwrapped model record every call of every block and of its sublayer modules
 (boundaries written from transformers' DoryDecoderLayer and HrmTextDecoderLayer), in call order; run k of a block
 is its k-th call. The identities are the blocks' own arithmetic, written here: Dory's L2 norm and interpolation
-towards each sublayer's normalised output at the rate |λ·s|; HRM-Text's sequential adds.
+towards each sublayer's normalised output at the rate |λ·s|; HRM-Text's sequential adds; Inkling-2's float32
+partial sum, restarting on a block's first layer (read from the module's ``is_block_boundary``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nnterp import StandardizedTransformer
 from nnterp.edits import skip_layers
-from nnterp.errors import RunNotChosen
+from nnterp.errors import ReadoutUnavailable, RunNotChosen
 from nnterp.families import BY_MODEL_TYPE
 from nnterp.miniature import miniature_config
 from nnterp.standardized import schedule_of
@@ -43,6 +44,18 @@ HRM_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm"
           "mlp_output": ("mlp", "out"), "layer_output": ("", "out")}
 
 
+def inkling2_at(block):
+    """Inkling-2-Loop's places, by the layer's module: a loop layer, or a full-attention one, has no one normed input
+    of its attention; the partial sum is the MLP mix's second input."""
+    at = {"layer_input": ("", "in"), "attention_premix": ("self_attn.o_proj", "in"),
+          "attention_output": ("post_attention_convolution", "out"), "layer_mid": ("mlp_input", "in1"),
+          "mlp_norm_output": ("post_attention_layernorm", "out"), "mlp_input": ("mlp", "in"),
+          "mlp_output": ("post_mlp_convolution", "out"), "layer_output": ("", "out")}
+    if type(block).__name__ == "Inkling2LoopSlidingDecoderLayer":
+        at["attention_norm_output"] = ("input_layernorm", "out")
+    return at
+
+
 def l2(x):
     return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)).type_as(x)
 
@@ -61,36 +74,57 @@ def sequential_adds(block, v):
     return torch.equal(v["layer_mid"], mid) and torch.equal(v["layer_output"], mid + v["mlp_output"])
 
 
-# model type -> (the truth's places, the blocks in standard order from the plain model, the block's arithmetic)
+def partial_sum_adds(block, v):
+    """Inkling-2's layer: the float32 partial sum, restarting from the attention's contribution on a block's first
+    layer; cast back at the end."""
+    x, a, m = v["layer_input"], v["attention_output"], v["mlp_output"]
+    mid = a.float() if block.is_block_boundary else x.float() + a.float()
+    return torch.equal(v["layer_mid"], mid) and torch.equal(v["layer_output"], (mid + m).to(x.dtype))
+
+
+# model type -> (the truth's places (or a function of the block's module giving them), the blocks in standard order
+# from the plain model, the block's arithmetic)
 CASES = {
     "dory": ("dory", DORY_AT, lambda hf: list(hf.model.layers), dory_adds),
     "hrm_text": ("hrm_text", HRM_AT, lambda hf: [*hf.model.L_module.layers, *hf.model.H_module.layers], sequential_adds),
+    "inkling2_loop_text": ("inkling2_loop_text", inkling2_at, lambda hf: list(hf.model.layers), partial_sum_adds),
 }
 
 
+def places(case, block):
+    truth = CASES[case][1]
+    return truth(block) if callable(truth) else truth
+
+
 def make(case="dory", dtype=torch.float32):
-    hf_model = build_tiny(BY_MODEL_TYPE[case].tiny_config(), dtype)
+    if case == "inkling2_loop_text":  # built in dtype as a checkpoint loads: its router and convolutions stay float32
+        torch.manual_seed(0)
+        config = BY_MODEL_TYPE[case].tiny_config()
+        hf_model = perturb(AutoModelForCausalLM.from_config(config, dtype=dtype)).eval()
+    else:
+        hf_model = build_tiny(BY_MODEL_TYPE[case].tiny_config(), dtype)
     return StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer()), hf_model
 
 
 def capture(hf_model, case="dory", ids=IDS):
     """Every call of every block, in order, and each call's tensors at the truth's places:
     (calls, {(layer, run, name)}, logits)."""
-    _, truth, blocks, _ = CASES[case]
     calls, captured, handles = [], {}, []
     runs: dict[tuple[int, str], int] = {}
-    for i, block in enumerate(blocks(hf_model)):
+    for i, block in enumerate(CASES[case][2](hf_model)):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
-        for name, (path, side) in truth.items():
+        for name, (path, side) in places(case, block).items():
             module = block.get_submodule(path) if path else block
 
             def record(tensor, i=i, name=name):
                 run = runs[(i, name)] = runs.get((i, name), -1) + 1
                 captured[(i, run, name)] = tensor.detach().clone()
 
-            if side == "in":
+            if side.startswith("in"):
+                arg = int(side[2:] or 0)
                 handles.append(module.register_forward_pre_hook(
-                    lambda m, a, k, record=record: record(a[0] if a else k["hidden_states"]), with_kwargs=True))
+                    lambda m, a, k, record=record, arg=arg: record(a[arg] if len(a) > arg else k["hidden_states"]),
+                    with_kwargs=True))
             else:
                 handles.append(module.register_forward_hook(
                     lambda m, a, o, record=record: record(o[0] if isinstance(o, tuple) else o)))
@@ -129,11 +163,13 @@ def test_every_run_of_every_block_equals_the_hooks_and_the_identity_holds(case, 
     assert {key for key in saved} == {key for key in expected}  # every value of every run, nothing else
     for key, tensor in saved.items():
         assert torch.equal(tensor, expected[key].reshape(tensor.shape)), key
-    _, truth, blocks, adds = CASES[case]
+    _, _, blocks, adds = CASES[case]
     for i, run in model.schedule:
-        assert adds(blocks(hf_model)[i], {name: saved[(i, run, name)] for name in truth}), (i, run)
+        block = blocks(hf_model)[i]
+        assert adds(block, {name: saved[(i, run, name)] for name in places(case, block)}), (i, run)
     # the runs differ: a loop sees another stream, so reading the first run everywhere would be wrong
-    assert not torch.equal(saved[(1, 0, "layer_output")], saved[(1, 1, "layer_output")])
+    looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
+    assert not torch.equal(saved[(looped, 0, "layer_output")], saved[(looped, 1, "layer_output")])
     assert all(result.exact for result in check_identity(model, IDS))
 
 
@@ -141,9 +177,11 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
     """The plain model's logits with ``edit`` applied to the tensor at ``module`` on its ``call``-th call only."""
     seen = [-1]
 
+    arg = int(side[2:] or 0) if side.startswith("in") else 0
+
     def pre(m, args):
         seen[0] += 1
-        return (edit(args[0]), *args[1:]) if seen[0] == call else None
+        return (*args[:arg], edit(args[arg]), *args[arg + 1:]) if seen[0] == call else None
 
     def post(m, args, out):
         seen[0] += 1
@@ -151,7 +189,7 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
             return None
         return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
 
-    handle = module.register_forward_pre_hook(pre) if side == "in" else module.register_forward_hook(post)
+    handle = module.register_forward_pre_hook(pre) if side.startswith("in") else module.register_forward_hook(post)
     try:
         with torch.no_grad():
             return hf_model(input_ids=ids).logits
@@ -163,9 +201,8 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
 @pytest.mark.parametrize("case", CASES)
 def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name):
     model, hf_model = make(case)
-    _, truth, blocks, _ = CASES[case]
-    block = blocks(hf_model)[2]
-    path, side = truth[name]
+    block = CASES[case][2](hf_model)[2]
+    path, side = places(case, block)[name]
     module = block.get_submodule(path) if path else block
     def edit(t):  # in place, as the trace's edit: where the block keeps using the tensor (its residual), it sees it
         return t.copy_(t * 0.5 + 0.25)
@@ -215,7 +252,7 @@ def test_a_looped_value_without_a_run_an_absent_run_and_an_earlier_run_after_a_l
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["dory", "hrm_text"])  # Inkling-2-Loop's readout mixes every block's summary in
 def test_project_on_vocab_of_the_last_block_is_the_logits(case, dtype):
     model, _ = make(case, dtype)
     layer, run = model.schedule[-1]
@@ -246,10 +283,17 @@ def test_the_attention_internals_are_read_at_each_run():
     assert torch.equal(probabilities.triu(1), torch.zeros_like(probabilities))  # causal
 
 
+def test_inkling2_loop_refuses_a_readout_of_one_stream():
+    model, _ = make("inkling2_loop_text")
+    with pytest.raises(ReadoutUnavailable, match="final_input"):
+        model.project_on_vocab(torch.zeros(1, 3, 64))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_default_config_miniature_is_proven(case):
     torch.manual_seed(0)
-    changes = {"dory": dict(num_hidden_layers=6, n_input_layers=1, n_output_layers=1), "hrm_text": {}}
+    changes = {"dory": dict(num_hidden_layers=6, n_input_layers=1, n_output_layers=1), "hrm_text": {},
+               "inkling2_loop_text": {}}
     config = miniature_config(CONFIG_MAPPING[case](**changes[case]))
     model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(),
                                     tokenizer=tiny_tokenizer(256))

@@ -52,7 +52,7 @@ from .hybrid import (
     QWEN3_NEXT,
 )
 from .inkling import INKLING
-from .inkling2 import INKLING2
+from .inkling2 import INKLING2, INKLING2_LOOP
 from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
@@ -89,7 +89,7 @@ FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
 FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
-FAMILIES += (DORY, HRM_TEXT)  # a section of blocks that runs several times per pass (tests/test_looped.py)
+FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs several times per pass (tests/test_looped.py)
 FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_gemma3n.py)
 FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/test_inkling2.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a

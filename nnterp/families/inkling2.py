@@ -43,7 +43,9 @@ only, with per-token sinks and a learned relative position bias: ``attention_sco
 scores with the bias and the mask added, before the sink logit joins them.
 """
 
-from transformers import Inkling2TextConfig
+import dataclasses
+
+from transformers import Inkling2LoopTextConfig, Inkling2TextConfig
 
 from .base import ROUTED, Block, EagerAttention, Family, Unavailable, input, output, pre_norm_block
 
@@ -98,5 +100,35 @@ INKLING2 = Family(
         swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4, d_rel=4,
         rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid", "hybrid_sliding"],
         n_layers_per_attn_res_block=2, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        vocab_size=128, unpadded_vocab_size=120, max_position_embeddings=64, eos_token_id=2),
+)
+
+
+MESSAGE_NORMS = Unavailable(
+    "a loop layer's passes after the first norm the message-gated mixes of its queries, keys and values separately "
+    "(three calls of input_layernorm): no one normed stream feeds the attention")
+
+
+def _loop_block(config, i):
+    block = _block(config, i)
+    if not config.loop_layer_index_start <= i < config.loop_layer_index_end or isinstance(
+            block.values["attention_norm_output"], Unavailable):
+        return block
+    return dataclasses.replace(block, values={**block.values, "attention_norm_output": MESSAGE_NORMS})
+
+
+def _loop_schedule(config):
+    start, end = config.loop_layer_index_start, config.loop_layer_index_end
+    return (*range(start), *(list(range(start, end)) * config.loop_num_passes), *range(end, config.num_hidden_layers))
+
+
+INKLING2_LOOP = dataclasses.replace(
+    INKLING2, name="Inkling-2-Loop", model_types=("inkling2_loop_text",), block=_loop_block, schedule=_loop_schedule,
+    tiny_config=lambda: Inkling2LoopTextConfig(
+        hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4, d_rel=4,
+        rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        n_layers_per_attn_res_block=2, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        loop_layer_index_start=2, loop_layer_index_end=4, loop_num_passes=3, loop_gate_rank=8,
         vocab_size=128, unpadded_vocab_size=120, max_position_embeddings=64, eos_token_id=2),
 )
