@@ -20,8 +20,6 @@ CATEGORIES: dict[str, str] = {
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
     "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
-    "new shape: topology": "Needs a new shape: a block that is not one token mixer and one MLP, or blocks that run "
-                           "more than once per pass.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
 }

@@ -33,6 +33,7 @@ def test_every_causal_lm_type_is_served_or_classified():
     assert not served & set(EXCLUDED), f"served and excluded at once: {sorted(served & set(EXCLUDED))}"
     assert set(EXCLUDED) <= types, f"classified types transformers no longer has: {sorted(set(EXCLUDED) - types)}"
     assert all(category in CATEGORIES and len(reason) > 10 for category, reason in EXCLUDED.values())
+    assert {category for category, _ in EXCLUDED.values()} == set(CATEGORIES)  # no empty category
 
 
 def test_a_type_nobody_has_read_fails_the_census():

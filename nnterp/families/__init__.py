@@ -27,6 +27,7 @@ from .cpmant import CPMANT
 from .ctrl import CTRL
 from .dbrx import DBRX
 from .deepseek_v4 import DEEPSEEK_V4
+from .dory import DORY
 from .dual_pair import LONGCAT_FLASH
 from .falcon import FALCON
 from .gated import DOGE, ZAYA
@@ -37,6 +38,7 @@ from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, HYPERCLOVAX, MINICPM3
+from .hrm_text import HRM_TEXT
 from .hy_v4 import HY_V4
 from .hybrid import (
     BAMBA,
@@ -56,7 +58,6 @@ from .inkling2 import INKLING2, INKLING2_LOOP
 from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
-from .looped import DORY, HRM_TEXT
 from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT

@@ -1,4 +1,4 @@
-"""Looped models: a section of blocks that runs several times in each forward pass.
+"""Dory: a looped section of blocks, and a stream on the unit sphere.
 
 A block of the looped section has its values per run: ``model.layers[i].run(k).layer_output``, run ``k`` from 0 to
 ``model.runs_of(i) - 1``, and ``model.schedule`` lists every block call in forward order. Reading a looped block's
@@ -19,19 +19,12 @@ Dory (nNGPT-style) keeps its stream on the unit sphere. Each block L2-normalises
 (``n_input_layers``), a recurrent section run ``n_recurrent_loops`` times and an output section; each loop starts
 from ``norm(stream) + norm(input section's output)``, so a loop's first block receives that sum. ``model.norm``
 (``ln_final``) also runs at those restarts: its native ``.output`` is the first restart's, not the readout's.
-
-HRM-Text has two stacks of Llama-style blocks, ``model.L_module.layers`` and ``model.H_module.layers``:
-``model.layers`` is the L stack's blocks then the H stack's. Each of ``H_cycles`` cycles runs the L stack
-``L_cycles`` times, then the H stack once; a stack's first block receives the sum of the two stacks' last outputs
-(``low + high``, or ``high + low`` for the H stack), and each stack ends with its weightless ``final_norm``. The
-H stack's ``final_norm`` is ``ln_final`` (the model reads its last output with it): its native ``.output`` is the
-first cycle's.
 """
 
 import torch
-from transformers import DoryConfig, HrmTextConfig
+from transformers import DoryConfig
 
-from .base import MODEL_LAYERS, Block, Family, input, output, pre_norm_block
+from .base import MODEL_LAYERS, Block, Family, input, output
 
 FORMULA = ("layer_output = n2 + |λ2·s|·(mlp_output - n2), n2 = norm(layer_mid), "
            "layer_mid = n1 + |λ1·s|·(attention_output - n1), n1 = norm(layer_input) "
@@ -87,23 +80,3 @@ DORY = Family(
         sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 )
 
-
-def _hrm_block(config, i):
-    return pre_norm_block(input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
-                          post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj")
-
-
-def _hrm_schedule(config):
-    low, high = range(config.num_layers_per_stack), range(config.num_layers_per_stack, 2 * config.num_layers_per_stack)
-    return tuple(config.H_cycles * ([*low] * config.L_cycles + [*high]))
-
-
-HRM_TEXT = Family(
-    name="HRM-Text", model_types=("hrm_text",), layers="model.L_module.layers", stacks=("model.H_module.layers",),
-    embed_tokens="model.embed_tokens", ln_final="model.H_module.final_norm", attention="self_attn", mlp="mlp",
-    block=_hrm_block, schedule=_hrm_schedule,
-    premix_is_not_mixed_values="each head's output is multiplied by a sigmoid gate (gate_proj) before o_proj",
-    tiny_config=lambda: HrmTextConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
-        H_cycles=2, L_cycles=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-)
