@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import nnsight
 import torch
 
-from .selection import forward_order, layer_indices, token_index
+from .selection import block_calls, calls_in_forward_order, token_index
 from .tokens import single_token, visible
 
 STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mixer_output", "mlp_output")
@@ -20,7 +20,9 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
 
     Returns ``[prompts, layers, vocab]`` at ``position`` of each prompt's own tokens (the last by
     default), or ``[prompts, layers, seq, vocab]`` over the padded batch with ``position=None``.
-    The layers come back in the order asked for, repeats included. ``value`` is a
+    The layers come back in the order asked for, repeats included. On a model whose blocks run several
+    times per pass (a looped one), ``layers`` may name one run of a block as ``(layer, run)``, and by default
+    the rows are every block call of the pass, in forward order (``model.schedule``). ``value`` is a
     ``[batch, seq, hidden]`` value: the stream (``layer_input``, ``layer_mid``, ``layer_output``)
     or a contribution (``attention_output``, ``mixer_output``, ``mlp_output``). On the last layer's
     ``layer_output`` the lens is the model's own next-token distribution. The readout runs inside
@@ -32,19 +34,20 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
         raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")
     model.refuse_unreadable_stream()  # before the trace: a family whose readout mixes more than one stream
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    layers = layer_indices(model, layers)
+    calls = block_calls(model, layers)
+    ordered = calls_in_forward_order(model, calls)
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
     rows = torch.arange(len(prompts))
     index = None if position is None else token_index(inputs.attention_mask, position)
     signs = (1, -1) if return_inv_logits else (1,)
     with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         per_layer = {}
-        for i in forward_order(layers):
-            hidden = model.read_value(i, name)
+        for i, run in ordered:
+            hidden = model.read_value(i, name, run=run)
             # one token per prompt, keeping the sequence dimension a stream readout (DeepSeek-V4) expects
             hidden = hidden if index is None else hidden[rows, index.to(hidden.device)].unsqueeze(1)
-            per_layer[i] = [model.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu() for sign in signs]
-        lenses = nnsight.save([torch.stack([per_layer[i][k] for i in layers], dim=1) for k in range(len(signs))])
+            per_layer[(i, run)] = [model.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu() for sign in signs]
+        lenses = nnsight.save([torch.stack([per_layer[call][k] for call in calls], dim=1) for k in range(len(signs))])
         tracer.stop()  # the readout ran here: the model's own head after the last layer read is not needed
     lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
     return tuple(lenses) if return_inv_logits else lenses[0]

@@ -28,6 +28,28 @@ def layer_indices(model, layers: int | Iterable[int] | None) -> list[int]:
     return [layer % model.num_layers for layer in layers]
 
 
+def block_calls(model, layers) -> list[tuple[int, int | None]]:
+    """The block calls asked for, as ``(layer, run)``: an int is a layer (its one run: run None), a ``(layer, run)``
+    pair one run of a looped block (``model.layers[layer].run(run)``); None: every call of a forward pass, in
+    order (``model.schedule``), which on a model without looped blocks is every layer."""
+    if layers is None:
+        return [(layer, run if model.runs_of(layer) > 1 else None) for layer, run in model.schedule]
+    calls = []
+    for entry in [layers] if isinstance(layers, int) else list(layers):
+        layer, run = entry if isinstance(entry, tuple) else (entry, None)
+        layer = layer_indices(model, [layer])[0]
+        if run is not None:
+            model.run_slot(layer, run)  # a clear IndexError for a run the block does not have
+        calls.append((layer, run))
+    return calls
+
+
+def calls_in_forward_order(model, calls: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """Each call once, in the order the model makes them."""
+    position = {call: n for n, call in enumerate(model.schedule)}
+    return sorted(set(calls), key=lambda call: position[(call[0], call[1] or 0)])
+
+
 def forward_order(layers: list[int]) -> list[int]:
     """Each layer once, in the order the model computes them."""
     return sorted(set(layers))

@@ -317,3 +317,32 @@ def test_the_proof_refuses_a_schedule_that_is_not_the_models():
         problems = problems_of(model)
         assert problems and all("runs 3 times in a pass, not once per run" in p for p in problems)
         assert {p.split(":")[0] for p in problems} == {"layer 1", "layer 2", "layer 3"}
+
+
+@pytest.mark.parametrize("case", ["dory", "hrm_text"])
+def test_the_logit_lens_reads_every_block_call_and_each_run_asked_for(case):
+    """By default one row per block call of the pass; ``(layer, run)`` names one run. Ground truth: each call's
+    output from the hooks, read out with the plain model's own final norm and head."""
+    from nnterp import logit_lens
+
+    model, hf_model = make(case)
+    ids = model.tokenizer("a b c d e f g", return_tensors="pt").input_ids
+    calls, expected, logits = capture(hf_model, case, ids=ids)
+    norm = hf_model.model.norm if case == "dory" else hf_model.model.H_module.final_norm
+    with torch.no_grad():
+        def readout(layer, run):
+            return hf_model.lm_head(norm(expected[(layer, run, "layer_output")][:, -1:])).float().softmax(-1)[:, 0]
+
+        lens = logit_lens(model, "a b c d e f g")
+        assert lens.shape == (1, len(calls), 128)
+        for row, (layer, run) in enumerate(model.schedule):
+            assert torch.equal(lens[:, row], readout(layer, run)), (layer, run)
+        assert torch.allclose(lens[:, -1], logits[:, -1].float().softmax(-1))
+        looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
+        once = [i for i in range(model.num_layers) if model.runs_of(i) == 1][:1]  # a block that runs once, by index
+        asked = logit_lens(model, "a b c d e f g", layers=[(looped, 1), *once, (looped, 0)])
+        assert torch.equal(asked[:, 0], readout(looped, 1)) and torch.equal(asked[:, -1], readout(looped, 0))
+    with pytest.raises(RunNotChosen):
+        logit_lens(model, "a b c", layers=[looped])
+    with pytest.raises(IndexError, match="out of range"):
+        logit_lens(model, "a b c", layers=[(looped, 9)])
