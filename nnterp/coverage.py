@@ -52,8 +52,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                             "attention's output without the incoming stream: no identity holds there"),
     "inkling2_loop_text": ("new shape: streams", "as inkling2_text (mixes of earlier blocks' outputs, streams that "
                                                  "restart on block boundaries), with looped layers"),
-    "reformer": ("new shape: streams", "reversible residuals over two half streams, y1 = x1 + attention(x2), "
-                                       "y2 = x2 + feed_forward(y1), passed between blocks as two tensors"),
     "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
                                     "restarting from the normed stream plus the input section's output), with nGPT's "
                                     "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),

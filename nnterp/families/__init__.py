@@ -63,6 +63,7 @@ from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
 from .qwen4_exp import QWEN4_EXP
 from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, NEMOTRON_H, RWKV, XLSTM
+from .reformer import REFORMER
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
 from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
@@ -86,6 +87,7 @@ FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
 FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
+FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/test_reformer.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
