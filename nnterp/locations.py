@@ -106,7 +106,7 @@ class At:
         if self.prefix:
             text += f" (without the {self.prefix} positions the model prepends to the tokens)"
         if self.count:
-            text += f" (the first {self.count} positions: without the padding the model adds after the tokens)"
+            text += f" (its first {self.count} positions: without the padding the model adds after the tokens)"
         if self.copy:
             text += " (a copy, swapped back: the block uses this tensor for more than this value)"
         if self.shared:
@@ -272,7 +272,7 @@ class At:
 def child(envoy, name: str):
     """The envoy of submodule ``name``: nnsight mirrors a submodule named after a value it serves (Reformer's
     ``attention.output``, next to the attention's ``.output``) as ``E_<name>``, keeping its path."""
-    moved = envoy.__dict__.get(f"{getattr(type(envoy), 'OVERLOAD_PREFIX', 'E_')}{name}")
+    moved = envoy.__dict__.get(envoy.OVERLOAD_PREFIX + name)
     return moved if moved is not None else getattr(envoy, name)
 
 

@@ -15,8 +15,8 @@ import torch
 from transformers import ReformerConfig
 from transformers.models.reformer.modeling_reformer import LocalSelfAttention, LSHSelfAttention
 
-from nnterp import StandardizedTransformer, ValueUnavailable, logit_lens, skip_layers
-from nnterp.families import BY_MODEL_TYPE
+from nnterp import StandardizedTransformer, UnsupportedConfig, ValueUnavailable, logit_lens, skip_layers
+from nnterp.families import BY_MODEL_TYPE, family_of
 from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
@@ -180,17 +180,23 @@ def test_edits_and_assignments_reach_the_model_as_hooks_do():
     assert torch.equal(edited, run_with(hf, layers[1], input_edit, pre=True))
     assert not torch.equal(edited, clean)
 
-    # an assignment of the joined stream replaces both halves (the padding stays the model's)
+    # an assignment of the joined stream replaces both halves (the padding stays the model's: the next block's
+    # whole input, padding included, is the hooks')
     with torch.no_grad(), model.trace(PADDED):
         model.layers[2].layer_output = model.layers[2].layer_output * 2
+        kwargs = model.layers[3].inputs[1]
+        handed_on = nnsight.save([kwargs["prev_attn_output"], kwargs["hidden_states"]])
         doubled = model.logits.save()
+    seen = []
 
     def output_double(module, args, out):
         y2, y1 = out.hidden_states.clone(), out.attn_output.clone()
         y2[:, :n] *= 2
         y1[:, :n] *= 2
+        seen.extend((y1, y2))
         return out._replace(hidden_states=y2, attn_output=y1)
     assert torch.equal(doubled, run_with(hf, layers[2], output_double))
+    assert handed_on[0].shape[1] == n + 1 and all(map(torch.equal, handed_on, seen))
 
     # a contribution assigned on an LSH block (the attention's named tuple stays one), and edited in place
     with torch.no_grad(), model.trace(PADDED):
@@ -287,6 +293,8 @@ def test_unavailable_values_say_why_and_the_lens_is_the_model_s():
         model.layers[0].layer_mid.save()
     with pytest.raises(ValueUnavailable, match="chunk by chunk"):
         model.enable_attention_values()
+    with pytest.raises(UnsupportedConfig, match="is_decoder=True"):
+        family_of(ReformerConfig(is_decoder=False))
     chunked, _ = make("reformer_chunked")
     assert "chunk by chunk" in chunked.availability(0)["mlp.mlp_activation"].reason
     prompt = "the cat sat on the mat"  # six tokens: the model pads them

@@ -11,7 +11,8 @@ The final norm (``encoder.layer_norm``, over ``2 * hidden_size``) and the head r
 block, so the stream is the concatenation ``[X1, X2]``: ``layer_input`` and ``layer_output`` are
 ``[batch, seq, 2 * hidden_size]``, read as the two tensors joined (``At.join``; edits go back to the model as the
 two halves), and ``project_on_vocab`` reads it as the model does. ``attention_output`` adds to the first half,
-``mlp_output`` to the second. The stream after the attention's add, ``[Y1, X2]``, is held by the model as two
+``mlp_output`` to the second. The MLP module ``feed_forward`` holds its own norm: ``mlp_input`` is what its first
+layer (``dense``) is called with, the normed ``Y1``. The stream after the attention's add, ``[Y1, X2]``, is held by the model as two
 tensors at two moments (X2 at the block's input, Y1 at ``feed_forward``'s), so ``layer_mid`` is unavailable.
 
 The model pads a sequence longer than its shortest chunk to a multiple of its chunk lengths (after the tokens);
@@ -25,6 +26,7 @@ it), and ``config.num_buckets`` left unset is fixed by the first sequence the mo
 import torch
 from transformers import ReformerConfig
 
+from ..errors import UnsupportedConfig
 from .base import Block, Family, Unavailable, input, output
 
 COUNT = "orig_sequence_length"  # the block's keyword argument: how many positions are tokens
@@ -90,7 +92,8 @@ def _skipped(stream, block):
 
 def _check(config):
     if not config.is_decoder:
-        raise ValueError("Reformer is a causal language model only with is_decoder=True in its config")
+        raise UnsupportedConfig("Reformer is a causal language model only with is_decoder=True in its config (its "
+                                "attention is causal then); this config builds a bidirectional encoder")
 
 
 REFORMER = Family(
@@ -99,8 +102,9 @@ REFORMER = Family(
     ln_final="reformer.encoder.layer_norm", attention="attention", mlp="feed_forward", block=_block,
     check_config=_check,
     attention_internals=Unavailable(
-        "Reformer computes attention chunk by chunk in its own code (LSH layers over positions sorted by hash "
-        "bucket, local layers over neighbouring chunks), so no [query, key] scores over the positions exist"),
+        "Reformer computes attention in its own code, chunk by chunk: LSH layers hash shared query-key vectors into "
+        "buckets and attend within chunks of the positions sorted by bucket, local layers within neighbouring chunks, "
+        "so no [query, key] scores over the positions exist, and its queries and keys are not at module boundaries"),
     skip_output=_skipped,
     tiny_config=lambda: ReformerConfig(
         vocab_size=128, hidden_size=32, num_attention_heads=4, attention_head_size=8, feed_forward_size=64,
