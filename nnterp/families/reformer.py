@@ -10,18 +10,25 @@
 The final norm (``encoder.layer_norm``, over ``2 * hidden_size``) and the head read ``[Y1, Y2]`` of the last
 block, so the stream is the concatenation ``[X1, X2]``: ``layer_input`` and ``layer_output`` are
 ``[batch, seq, 2 * hidden_size]``, read as the two tensors joined (``At.join``; edits go back to the model as the
-two halves), and ``project_on_vocab`` reads it as the model does. ``attention_output`` adds to the first half,
-``mlp_output`` to the second. The MLP module ``feed_forward`` holds its own norm: ``mlp_input`` is what its first
-layer (``dense``) is called with, the normed ``Y1``. The stream after the attention's add, ``[Y1, X2]``, is held by the model as two
-tensors at two moments (X2 at the block's input, Y1 at ``feed_forward``'s), so ``layer_mid`` is unavailable.
+two halves), and ``project_on_vocab`` reads it with the model's norm and head. ``attention_output`` adds to the
+first half, ``mlp_output`` to the second. The MLP module ``feed_forward`` holds its own norm: ``mlp_input`` is
+what its first layer (``dense``) is called with, the normed ``Y1``. The stream after the attention's add,
+``[Y1, X2]``, is held by the model as two tensors at two moments (X2 at the block's input, Y1 at
+``feed_forward``'s), so ``layer_mid`` is unavailable.
 
 The model pads a sequence longer than its shortest chunk to a multiple of its chunk lengths (after the tokens);
 every value is read without the padding (``At.count``, from the block's ``orig_sequence_length``). Attention is
 computed chunk by chunk in the model's own code (sorted by hash bucket on LSH layers), so the values inside it are
-unavailable. LSH attention draws random rotations on every pass unless ``config.hash_seed`` is set (the tests set
-it), and ``config.num_buckets`` left unset is fixed by the first sequence the model sees. Its blocks run under
-``torch.no_grad()`` (the model recomputes them backwards in training), so no gradient reaches a value.
+unavailable. LSH attention draws random rotations on every pass unless ``config.hash_seed`` is set (loading warns;
+the tests set it), and ``config.num_buckets`` left unset is fixed by the first long sequence the model sees. Its
+blocks run under ``torch.no_grad()`` (the model recomputes them backwards in training), so no gradient reaches a
+value. Skipping blocks needs ``use_cache=False``: the model's cache takes an entry from every block. On a batch
+the model pads, its head reads a strided slice of the normed stream, which ``F.linear`` computes as a matmul then
+the bias add (one fused addmm on a contiguous one): ``project_on_vocab`` of the last ``layer_output`` is then the
+model's norm and head on the same values, and in bfloat16 its logits may differ from the model's by that rounding.
 """
+
+import warnings
 
 import torch
 from transformers import ReformerConfig
@@ -94,6 +101,11 @@ def _check(config):
     if not config.is_decoder:
         raise UnsupportedConfig("Reformer is a causal language model only with is_decoder=True in its config (its "
                                 "attention is causal then); this config builds a bidirectional encoder")
+    if "lsh" in config.attn_layers and config.hash_seed is None:
+        warnings.warn("Reformer's LSH attention hashes with random rotations drawn on every pass (config.hash_seed is "
+                      "None): two passes over the same tokens differ, so values compared across traces (patching, "
+                      "steering against a clean run) mix in that randomness. Set a seed to compare them: "
+                      "StandardizedTransformer(name, hash_seed=0).", stacklevel=2)
 
 
 REFORMER = Family(
