@@ -26,6 +26,9 @@ value. Skipping blocks needs ``use_cache=False``: the model's cache takes an ent
 the model pads, its head reads a strided slice of the normed stream, which ``F.linear`` computes as a matmul then
 the bias add (one fused addmm on a contiguous one): ``project_on_vocab`` of the last ``layer_output`` is then the
 model's norm and head on the same values, and in bfloat16 its logits may differ from the model's by that rounding.
+Prompts of different lengths are left-padded, with position ids (nnsight passes them): where the model must then
+pad the batch to its chunk length too, transformers' Reformer fails building the padding's position ids (its own
+code, given position ids): run such prompts one at a time, or at lengths the chunk lengths divide.
 """
 
 import warnings
