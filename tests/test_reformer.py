@@ -17,6 +17,8 @@ from transformers.models.reformer.modeling_reformer import LocalSelfAttention, L
 
 from nnterp import StandardizedTransformer, UnsupportedConfig, ValueUnavailable, logit_lens, skip_layers
 from nnterp.families import BY_MODEL_TYPE, family_of
+from nnterp.families.reformer import COUNT
+from nnterp.locations import input, output
 from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
@@ -279,8 +281,8 @@ def test_generation_steps_read_their_own_tokens_and_edits_reach_them():
         generated = tracer.result.save()
     assert torch.equal(generated, want)
     assert [step.shape[1] for step in steps] == [7, 8, 9]
-    for step, output, edited, head in zip(steps, outputs, logits, heads):
-        assert torch.equal(step, output[:, : step.shape[1]])
+    for step, full, edited, head in zip(steps, outputs, logits, heads):
+        assert torch.equal(step, full[:, : step.shape[1]])
         assert torch.equal(edited, head)
     with torch.no_grad():  # the edit changed the last position's logits
         assert not torch.equal(hf(input_ids=generated[:, :-1]).logits[:, -1], heads[-1][:, -1])
@@ -315,3 +317,14 @@ def test_the_default_config_miniature_is_proven():
     hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))
     assert all(result.exact for result in check_identity(model, PADDED))
+
+
+def test_a_joined_value_takes_plain_parts_of_its_own_boundary():
+    halves = (input("", arg=0, kwarg="prev_attn_output"), input("", arg=1, kwarg="hidden_states"))
+    assert "prev_attn_output, hidden_states joined" in input("", join=halves).describe()
+    with pytest.raises(ValueError, match="join reads a new tensor"):
+        input("", join=halves, heads=True)
+    with pytest.raises(ValueError, match="plain elements of the same boundary"):
+        input("", join=(input("attention", kwarg="hidden_states"), halves[1]))
+    with pytest.raises(ValueError, match="count views"):
+        output("", count=COUNT, prefix=2)
