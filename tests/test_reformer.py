@@ -24,17 +24,18 @@ from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
 
-CASES = {  # name -> (model type, config)
-    "reformer": ("reformer", BY_MODEL_TYPE["reformer"].tiny_config),
-    "reformer_chunked": ("reformer", lambda: chunked_config()),
-}
-
 
 def chunked_config():
     """The feed-forward run one position at a time, and LSH attention with two rounds of hashing."""
     config = BY_MODEL_TYPE["reformer"].tiny_config()
     config.chunk_size_feed_forward, config.num_hashes = 1, 2
     return config
+
+
+CASES = {  # name -> (model type, config)
+    "reformer": ("reformer", BY_MODEL_TYPE["reformer"].tiny_config),
+    "reformer_chunked": ("reformer", chunked_config),
+}
 PADDED = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])  # 7 tokens: the model pads them to 8
 UNPADDED = PADDED[:, :4]  # a multiple of the chunk lengths
 
