@@ -51,9 +51,10 @@ class At:
     ``join`` reads the value as several elements of this same boundary (each an ``At`` of this path and
     side naming its own ``index``, or ``arg`` / ``kwarg``) side by side along the last dimension, where
     the model passes the stream between its blocks in parts (Reformer's two halves, which only its final
-    norm sees concatenated). The reader gets a new tensor: its in-place edits are swapped back into the
-    model as the parts when the trace moves on, each part a slice of the reader's tensor (so later edits
-    of it still reach the model, as they do on a stream held as one tensor); an assignment replaces each
+    norm sees concatenated). The reader gets a new tensor, the parts joined (viewed without the padding,
+    with ``count``): when the trace moves on, the model's parts are swapped for slices of the joined tensor,
+    so in-place edits of the value, then or later in the trace, reach the model, as they do on a stream
+    held as one tensor (gradients reach the joined tensor, not a view of it); an assignment replaces each
     part by its slice.
     """
 
@@ -205,7 +206,11 @@ class At:
         def back():
             # What the model goes on with is derived from the reader's tensor, so gradients reach it and
             # edits made to it in place are the model's (a copy hands on a copy of itself: the model may
-            # change what it is handed in place, and the reader's copy must not see that).
+            # change what it is handed in place, and the reader's copy must not see that). A joined value
+            # views the joined tensor (padding included): the model goes on with slices of that tensor, so
+            # edits of the reader's value, now or later in the trace, are the model's.
+            if self.join:
+                return self._replaced(raw, tensor)
             model_side = value.transpose(1, 2) if self.heads_first else value
             model_side = (model_side.view(self._token_shape(tensor.shape, block_envoy)) if (self.heads or self.unflatten)
                           else model_side)

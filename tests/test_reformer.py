@@ -183,6 +183,27 @@ def test_edits_and_assignments_reach_the_model_as_hooks_do():
     assert torch.equal(edited, run_with(hf, layers[1], input_edit, pre=True))
     assert not torch.equal(edited, clean)
 
+    # edited later in the trace, after the attention ran: the model's halves are slices of the joined stream, so the
+    # edit reaches what the block still reads of them (the residual add), as it would on a stream held as one tensor
+    with torch.no_grad(), model.trace(PADDED):
+        stream = model.layers[1].layer_input
+        model.layers[1].self_attn.attention_output.save()
+        stream[:, 0, :h] += 1
+        late = model.logits.save()
+    kept = {}
+
+    def keep(module, args, kwargs):
+        kept.update(kwargs)
+
+    def edit_after_attention(module, args, out):
+        kept["prev_attn_output"][:, 0] += 1
+    handle = layers[1].register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        assert torch.equal(late, run_with(hf, layers[1].attention, edit_after_attention))
+    finally:
+        handle.remove()
+    assert not torch.equal(late, clean)
+
     # an assignment of the joined stream replaces both halves (the padding stays the model's: the next block's
     # whole input, padding included, is the hooks')
     with torch.no_grad(), model.trace(PADDED):
