@@ -39,7 +39,8 @@ SIZES = {
     "lru_width": HEADS * HEAD_DIM,  # Griffin's recurrence width, split in blocks between the heads
     "moe_shared_expert_intermediate_size": 32,  # Nemotron-H's shared experts
     "dim_ff": 64, "dim_head": HEAD_DIM,  # CPM-Ant's MLP and heads
-    "feed_forward_size": 64, "attention_head_size": HEAD_DIM,  # Reformer's MLP and heads
+    "feed_forward_size": 64, "attention_head_size": HEAD_DIM,  # Reformer's MLP and heads,
+    "lsh_attn_chunk_length": 4, "local_attn_chunk_length": 2,  # and chunks the proof's tokens span (it pads them)
 }
 # a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
 RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
