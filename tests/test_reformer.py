@@ -9,10 +9,12 @@ The identity is the block's own arithmetic, ``Y1 = X1 + attention``, ``Y2 = X2 +
 
 from __future__ import annotations
 
+import math
+
 import nnsight
 import pytest
 import torch
-from transformers import ReformerConfig
+from transformers import AutoModelForCausalLM, ReformerConfig
 from transformers.models.reformer.modeling_reformer import LocalSelfAttention, LSHSelfAttention
 
 from nnterp import StandardizedTransformer, UnsupportedConfig, ValueUnavailable, logit_lens, skip_layers
@@ -331,13 +333,17 @@ def test_unavailable_values_say_why_and_the_lens_is_the_model_s():
     assert torch.allclose(probabilities[:, -1], own, atol=1e-6)
 
 
-def test_the_default_config_miniature_is_proven():
-    config = ReformerConfig(is_decoder=True, hash_seed=0)
+@pytest.mark.parametrize("changes", [{}, {"num_buckets": [64, 128], "axial_pos_shape": [512, 1024],
+                                         "num_attention_heads": 2, "max_position_embeddings": 524288}],
+                         ids=["default", "factorized_buckets"])
+def test_the_default_config_miniature_is_proven(changes):
+    """Shrunk, the chunks are shorter than the tokens: the model pads them and hashes them into buckets."""
+    config = ReformerConfig(is_decoder=True, hash_seed=0, **changes)
     torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
     hf = perturb(AutoModelForCausalLM.from_config(miniature_config(config))).eval()
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))
+    lsh, local = hf.config.lsh_attn_chunk_length, hf.config.local_attn_chunk_length
+    assert PADDED.shape[1] > lsh and PADDED.shape[1] % math.lcm(lsh, local)
     assert all(result.exact for result in check_identity(model, PADDED))
 
 
