@@ -5,7 +5,15 @@ from .activation_cache import ActivationCache, run_with_cache
 from .allocator import tune_allocator
 from .catalog import CATALOG, Value
 from .collection import Collection, collect
-from .errors import BadAssignment, NNterpError, UnknownArchitecture, UnsupportedConfig, ValueUnavailable
+from .errors import (
+    BadAssignment,
+    NNterpError,
+    ReadoutUnavailable,
+    RunNotChosen,
+    UnknownArchitecture,
+    UnsupportedConfig,
+    ValueUnavailable,
+)
 from .inference import infer_family
 from .interventions import (
                             activation_patching,
@@ -58,6 +66,8 @@ __all__ = [
     "UnsupportedConfig",
     "unregister_family",
     "Value",
+    "ReadoutUnavailable",
+    "RunNotChosen",
     "ValueUnavailable",
 ]
 

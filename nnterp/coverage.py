@@ -19,9 +19,6 @@ CATEGORIES: dict[str, str] = {
                     "third sublayer with no standard name.",
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
-    "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
-    "new shape: topology": "Needs a new shape: a block that is not one token mixer and one MLP, or blocks that run "
-                           "more than once per pass.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
 }
@@ -42,19 +39,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "hrm_text": ("new shape: topology", "two stacks looped for several cycles: each block runs many times per pass"),
-    "gemma3n_text": ("new shape: streams", "AltUp: each block predicts its streams from the incoming ones by learned "
-                                           "mixings, runs attention and the MLP on one of them (with a LAuReL branch, "
-                                           "adds scaled by 1/sqrt(2)), corrects every stream from the result and adds "
-                                           "per-layer inputs: layer_output is not layer_input plus contributions"),
-    "inkling2_text": ("new shape: streams", "each sublayer reads a learned mix of earlier blocks' outputs "
-                                            "(block_states), and on a block boundary the stream restarts from the "
-                                            "attention's output without the incoming stream: no identity holds there"),
-    "inkling2_loop_text": ("new shape: streams", "as inkling2_text (mixes of earlier blocks' outputs, streams that "
-                                                 "restart on block boundaries), with looped layers"),
-    "dory": ("new shape: topology", "looped middle blocks (n_recurrent_loops passes through the same blocks, each loop "
-                                    "restarting from the normed stream plus the input section's output), with nGPT's "
-                                    "interpolation h += |λ|·(f(h) - h) on an L2-normalized stream"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

@@ -124,11 +124,23 @@ def family_page(family: Family) -> str:
     lines = [GENERATED, f"# {family.name}", "",
              f"Model types: {', '.join(f'`{t}`' for t in family.model_types)}", "", doc, "",
              "## Modules", "", "| standard name | module |", "|---|---|",
-             f"| `layers` | `{family.layers}` |", f"| `embed_tokens` | `{family.embed_tokens}` |",
+             f"| `layers` | {' then '.join(f'`{path}`' for path in family.block_lists)} |",
+             f"| `embed_tokens` | `{family.embed_tokens}` |",
              f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
              f"| `layers[i].self_attn` | {_attention_module(family)} |",
              f"| `layers[i].mlp` | {_mlp_module(family, found)} |", ""]
-    if family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
+    if family.schedule:
+        calls = family.schedule(config.get_text_config())
+        runs = {layer: calls.count(layer) for layer in dict.fromkeys(calls)}
+        looped = [layer for layer, count in runs.items() if count > 1]
+        lines += [f"**Looped blocks.** On the test config, one forward pass calls the blocks in this order: "
+                  f"{', '.join(map(str, calls))}; blocks {layer_ranges(looped)} run more than once, and their values are "
+                  "read per run: `model.layers[i].run(k).<value>` ([looped blocks](../guide/hybrids.md#looped-blocks)).",
+                  ""]
+    if family.readout_unavailable:
+        lines += [f"Reading out a stream (`project_on_vocab`, the logit lens) is refused: {family.readout_unavailable}.",
+                  ""]
+    elif family.stream_readout or family.logits_transform or family.head_input_transform or family.before_final_norm \
             or family.vocab_projection:
         lines += ["Reading out a stream (`project_on_vocab`, the logit lens): "
                   + ("first `" + family.stream_readout + "`, then " if family.stream_readout else "")

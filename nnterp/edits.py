@@ -49,6 +49,10 @@ def skip_layers(model, start: int, end: int | None = None, stream: torch.Tensor 
     if end < start:
         raise ValueError(f"skip_layers skips blocks start to end inclusive: end ({end}) is before start ({start}).")
     layers = list(range(start, end + 1))
+    looped = [layer for layer in layers if model.runs_of(layer) > 1]
+    if looped:  # nnsight's skip replaces a module's first call only
+        raise ValueError(f"skip_layers cannot skip layers[{looped[0]}]: it runs {model.runs_of(looped[0])} times in "
+                         f"each forward pass of {model.family.name} (a looped section), and a skip replaces one call.")
     stream = model.layers[layers[0]].layer_input if stream is None else stream
     for layer in layers:
         block = model.layers[layer]

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 class Slot:
     model: StandardizedTransformer
     layer: int
+    run: int | None = None  # which run of a block that runs several times per pass (None: the block's only one)
+
+    def label(self) -> str:
+        return f"layers[{self.layer}]" + ("" if self.run is None else f".run({self.run})")
 
 
 def in_trace() -> bool:
@@ -38,20 +42,20 @@ class ValueOutsideTrace:
     """What ``model.layers[i].<value>`` is outside a trace: where the value is read. Its tensor exists only
     inside one, so any use of it says how to read it there; ``hasattr`` thus tells availability everywhere."""
 
-    def __init__(self, layer: int, key: str, where: str):
-        self.layer, self.key, self.where = layer, key, where
+    def __init__(self, label: str, key: str, where: str):
+        self.label, self.key, self.where = label, key, where
 
     def __repr__(self) -> str:
         value = value_named(self.key)
-        return (f"layers[{self.layer}].{self.key}: {value.meaning}, {value.shape}; read at {self.where}. "
+        return (f"{self.label}.{self.key}: {value.meaning}, {value.shape}; read at {self.where}. "
                 "It holds a tensor inside `with model.trace(...)`.")
 
     def __getattr__(self, name: str):
         if name.startswith("__"):  # copy, pickle and friends probe dunders: plain "no such attribute"
             raise AttributeError(name)
         raise ValueError(
-            f"layers[{self.layer}].{self.key} is a tensor only inside a trace: "
-            f"`with model.trace(prompt): x = model.layers[{self.layer}].{self.key}.save()`, then use `x`."
+            f"{self.label}.{self.key} is a tensor only inside a trace: "
+            f"`with model.trace(prompt): x = model.{self.label}.{self.key}.save()`, then use `x`."
         )
 
 
@@ -68,16 +72,20 @@ class StandardValue:
         slot = envoy._nnterp_slot
         if not in_trace():
             location, key, *_ = slot.model._resolved(slot.layer, self.name)  # an unavailable value raises here
-            return ValueOutsideTrace(slot.layer, key, location.describe())
-        return slot.model.read_value(slot.layer, self.name)
+            return ValueOutsideTrace(slot.label(), key, location.describe())
+        return slot.model.read_value(slot.layer, self.name, run=slot.run)
 
     def __set__(self, envoy, value: torch.Tensor) -> None:
+        if isinstance(value, Envoy):  # nnsight mounting a module of the block that has this value's name (Inkling-2's
+            # mlp_input): it goes under nnsight's prefix for the names an envoy serves itself (layers[i].E_mlp_input)
+            envoy.__dict__[f"{Envoy.OVERLOAD_PREFIX}{self.name}"] = value
+            return
         slot = envoy._nnterp_slot
         if not in_trace():
             key = slot.model._resolved(slot.layer, self.name)[1]
-            raise ValueError(f"layers[{slot.layer}].{key} can be assigned only inside a trace: "
-                             f"`with model.trace(prompt): model.layers[{slot.layer}].{key} = tensor`.")
-        slot.model.write_value(slot.layer, self.name, value)
+            raise ValueError(f"{slot.label()}.{key} can be assigned only inside a trace: "
+                             f"`with model.trace(prompt): model.{slot.label()}.{key} = tensor`.")
+        slot.model.write_value(slot.layer, self.name, value, run=slot.run)
 
 
 def standard_values(envoy_class: type) -> set[str]:
@@ -91,7 +99,7 @@ class StandardEnvoy(Envoy):
         # own error rather than nnsight's generic "has no attribute".
         slot = self.__dict__.get("_nnterp_slot")
         if slot is not None and name in standard_values(type(self)):
-            return slot.model.read_value(slot.layer, name)
+            return slot.model.read_value(slot.layer, name, run=slot.run)
         if slot is not None and name in SUBLAYERS and isinstance(self, BlockEnvoy):
             _no_sublayer(slot, name)
         return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
@@ -111,6 +119,12 @@ def _no_sublayer(slot: Slot, name: str) -> None:
 
 class BlockEnvoy(StandardEnvoy):
     """A block, with the stream and the values between its sublayers."""
+
+    def run(self, k: int) -> BlockRun:
+        """Run ``k`` of a block that runs several times in each forward pass (a looped section): its values, and
+        those of its ``self_attn`` and ``mlp``, as that run computes them (``model.runs_of(i)`` runs, from 0)."""
+        slot = self._nnterp_slot
+        return BlockRun(slot.model.run_slot(slot.layer, k))
 
     layer_input = StandardValue()
     attention_norm_output = StandardValue()
@@ -166,3 +180,38 @@ class LayersEnvoy(Envoy):
         if isinstance(key, int) and not -count <= key < count:
             raise IndexError(f"Layer {key} is out of range: the model has {count} layers (0 to {count - 1}).")
         return Envoy.__getitem__(self, key)
+
+
+
+class _Run:
+    """Values at one run of a looped block (``Slot.run``), declared like the envoys' (``_run_class``)."""
+
+    def __init__(self, slot: Slot):
+        self._nnterp_slot = slot
+
+    def __repr__(self) -> str:
+        return f"<{self._nnterp_slot.label()} of {self._nnterp_slot.model.family.name}>"
+
+
+def _run_class(name: str, envoy_class: type, doc: str) -> type:
+    return type(name, (_Run,), {"__doc__": doc, **{value: StandardValue() for value in standard_values(envoy_class)}})
+
+
+_AttentionRun = _run_class("AttentionRun", AttentionEnvoy, "The attention of one run of a looped block.")
+_MLPRun = _run_class("MLPRun", MLPEnvoy, "The MLP of one run of a looped block.")
+
+
+class BlockRun(_run_class("_BlockValues", BlockEnvoy, "")):
+    """One run of a looped block: ``model.layers[i].run(k)``. Its standard values are read and assigned like a
+    block's, at that run; ``self_attn`` and ``mlp`` give the values inside the sublayers at that run. The native
+    modules are the block's, ``model.layers[i]``, and nnsight reads their first run."""
+
+    @property
+    def self_attn(self):
+        _no_sublayer(self._nnterp_slot, "self_attn")
+        return _AttentionRun(self._nnterp_slot)
+
+    @property
+    def mlp(self):
+        _no_sublayer(self._nnterp_slot, "mlp")
+        return _MLPRun(self._nnterp_slot)

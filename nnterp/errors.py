@@ -27,3 +27,11 @@ class UnsupportedConfig(NNterpError, ValueError):
 
 class BadAssignment(NNterpError, ValueError):
     """A value was assigned a tensor of the wrong shape or type."""
+
+
+class RunNotChosen(NNterpError, ValueError):
+    """A value of a block that runs several times in each forward pass, read without saying which run."""
+
+
+class ReadoutUnavailable(NNterpError, ValueError):
+    """No one stream can be read out as the model reads its last block's output (``project_on_vocab``, the lens)."""

@@ -30,6 +30,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     name = value.rpartition(".")[2]
     if name not in STREAM_VALUES:
         raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")
+    model.refuse_unreadable_stream()  # before the trace: a family whose readout mixes more than one stream
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     layers = layer_indices(model, layers)
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)

@@ -11,6 +11,7 @@ place of the module's own, keeping any tuple around it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,9 @@ class At:
     prepends positions that are not tokens to the stream (CPM-Ant's learned prompt): an in-place
     edit of the view is an edit of those positions of the model's tensor, and an assignment
     replaces them, the prepended positions left as the model made them.
+    ``streams_first`` views a stream the model stacks as ``[streams, batch, seq, hidden]`` (Gemma-3n's
+    AltUp) as ``[batch, seq, streams, hidden]``, the layout of other parallel streams: a permuted view
+    of the same storage, so in-place edits are the model's and an assignment is permuted back.
     ``count`` names the block's keyword argument that says how many positions are tokens, where the model
     pads the stream after them (Reformer pads it to a multiple of its chunk length): the value is viewed
     without the padding, as ``prefix`` views it without prepended positions. The count is read from the
@@ -70,6 +74,7 @@ class At:
     unflatten: bool = False
     heads_first: bool = False
     prefix: int = 0
+    streams_first: bool = False
     count: str = ""
     join: tuple[At, ...] = ()
 
@@ -78,6 +83,8 @@ class At:
             raise ValueError(f"side must be 'input' or 'output', not {self.side!r}")
         if self.prefix and (self.unflatten or self.heads_first):  # their sequence axis is not the second
             raise ValueError("prefix views [batch, seq, ...]: it does not combine with unflatten or heads_first")
+        if self.streams_first and (self.prefix or self.unflatten or self.heads_first or self.heads):
+            raise ValueError("streams_first views a whole stacked stream: it does not combine with other views")
         if self.count and (self.prefix or self.unflatten or self.heads_first):
             raise ValueError("count views [batch, seq, ...] without trailing padding: it does not combine with "
                              "prefix, unflatten or heads_first")
@@ -104,6 +111,8 @@ class At:
             text += " (flattened by the block; viewed as [batch, seq, ...])"
         if self.heads_first:
             text += " (viewed as [batch, seq, heads, dim])"
+        if self.streams_first:
+            text += " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
         if self.prefix:
             text += f" (without the {self.prefix} positions the model prepends to the tokens)"
         if self.count:
@@ -119,9 +128,15 @@ class At:
         return block.get_submodule(self.path) if self.path else block
 
     def envoy(self, block_envoy):
+        from nnsight import Envoy
+
         envoy = block_envoy
         for part in filter(None, self.path.split(".")):
-            envoy = envoy[int(part)] if part.isdigit() else child(envoy, part)
+            if part.isdigit():
+                envoy = envoy[int(part)]
+            else:  # a module named like something the envoy serves (a standard value) is mounted under nnsight's prefix
+                served = inspect.isdatadescriptor(getattr(type(envoy), part, None))
+                envoy = getattr(envoy, f"{Envoy.OVERLOAD_PREFIX}{part}" if served else part)
         for part in filter(None, self.op.split(".")):
             envoy = getattr(envoy.source, part)
         return envoy
@@ -170,6 +185,8 @@ class At:
             tensor = tensor[:, : shape[1]]
         if self.heads or self.unflatten:
             tensor = tensor.view(shape)
+        if self.streams_first:
+            return tensor.movedim(0, 2)
         return tensor.transpose(1, 2) if self.heads_first else tensor
 
     def _with_others(self, tensor, tokens):
@@ -184,8 +201,8 @@ class At:
     @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
-        return (self.copy or self.heads or self.unflatten or self.heads_first or bool(self.prefix) or bool(self.count)
-                or bool(self.join))
+        return (self.copy or self.heads or self.unflatten or self.heads_first or self.streams_first or bool(self.prefix)
+                or bool(self.count) or bool(self.join))
 
     def read(self, block_envoy, num_heads: int, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
@@ -211,7 +228,7 @@ class At:
             # edits of the reader's value, now or later in the trace, are the model's.
             if self.join:
                 return self._replaced(raw, tensor)
-            model_side = value.transpose(1, 2) if self.heads_first else value
+            model_side = value.transpose(1, 2) if self.heads_first else value.movedim(2, 0) if self.streams_first else value
             model_side = (model_side.view(self._token_shape(tensor.shape, block_envoy)) if (self.heads or self.unflatten)
                           else model_side)
             model_side = self._with_others(tensor, model_side.clone() if self.copy else model_side)
@@ -247,6 +264,8 @@ class At:
         expected = self._view_shape(block_envoy, current.shape, num_heads)
         if self.heads_first:
             expected = (expected[0], expected[2], expected[1], *expected[3:])
+        if self.streams_first:
+            expected = (*expected[1:3], expected[0], *expected[3:])
         if not isinstance(value, torch.Tensor):
             raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
         if tuple(value.shape) != tuple(expected):
@@ -264,21 +283,18 @@ class At:
                 f"'{key}' is on {current.device}; the assigned tensor is on {value.device}. "
                 f"Move it first, e.g. value.to('{current.device}')."
             )
-        value = (value.transpose(1, 2) if self.heads_first
-                 else value.reshape(self._token_shape(current.shape, block_envoy)))
+        if self.heads_first:
+            value = value.transpose(1, 2)
+        elif self.streams_first:
+            value = value.movedim(2, 0)
+        else:
+            value = value.reshape(self._token_shape(current.shape, block_envoy))
         if self.shared:
             current[:, self.prefix : self.prefix + value.shape[1]].copy_(value)  # other positions stay the model's
         elif self.side == "output":
             envoy.output = self._replaced(envoy.output, self._with_others(current, value))
         else:
             envoy.inputs = self._replaced(envoy.inputs, self._with_others(current, value))
-
-
-def child(envoy, name: str):
-    """The envoy of submodule ``name``: nnsight mirrors a submodule named after a value it serves (Reformer's
-    ``attention.output``, next to the attention's ``.output``) as ``E_<name>``, keeping its path."""
-    moved = envoy.__dict__.get(envoy.OVERLOAD_PREFIX + name)
-    return moved if moved is not None else getattr(envoy, name)
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:

@@ -190,7 +190,10 @@ def _shrink_sub(sub: PretrainedConfig, model: PretrainedConfig, heads: int | Non
 def _shrink_sizes(config: PretrainedConfig) -> None:
     """The sizes that shrink to fixed values, the expert counts and how many experts a token takes."""
     for name, size in SIZES.items():
-        if getattr(config, name, None):  # 0 or None mean "off" or "derived": leave them
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):  # one size per layer (Gemma-3n's intermediate_size): one list kept
+            _set(config, name, type(value)(max(1, round(v * size / max(value))) if v else v for v in value))
+        elif value:  # 0 or None mean "off" or "derived": leave them
             _set(config, name, size)  # (xLSTM's v_head_dim is derived from its sizes)
     for name in EXPERT_COUNTS:
         if getattr(config, name, None):

@@ -39,27 +39,39 @@ class IdentityResult:
     formula: str
     exact: bool  # the family's formula, in the code's order of addition, gives layer_output bit for bit
     max_abs_diff: float
+    run: int | None = None  # the run of a block that runs several times per pass
 
     def __str__(self) -> str:
         status = "exact" if self.exact else f"MISMATCH (max |diff| {self.max_abs_diff:.3g})"
-        return f"layer {self.layer}: {self.formula}: {status}"
+        return f"{_label(self.layer, self.run)}: {self.formula}: {status}"
+
+
+def _label(layer: int, run: int | None) -> str:
+    return f"layer {layer}" + ("" if run is None else f" (run {run})")
+
+
+def _calls(model) -> list[tuple[int, int | None]]:
+    """``(layer, run)`` of each block call in forward order; run None where the block runs once per pass."""
+    return [(layer, run if model.runs_of(layer) > 1 else None) for layer, run in model.schedule]
 
 
 def read_blocks(model, inputs, names=None, remote: bool | str = False) -> list[dict[str, torch.Tensor]]:
-    """One trace reading, per block and in forward order, the values named (all, with None) and the identity extras."""
+    """One trace reading, per block call in forward order (``model.schedule``: per block, where each runs once),
+    the values named (all, with None) and the identity extras."""
+    calls = _calls(model)
     with torch.no_grad(), model.trace(inputs, remote=remote):
-        read = nnsight.save([{} for _ in range(model.num_layers)])
-        for i in range(model.num_layers):
+        read = nnsight.save([{} for _ in calls])
+        for n, (i, run) in enumerate(calls):
             for _, key, location in model.timeline(i):
                 name = key.rpartition(".")[2]
                 if names is None or key.startswith("extra.") or name in names:
-                    read[i][name] = model.read_at(i, location)
+                    read[n][name] = model.read_at(i, location, run=run)
     return read
 
 
-def identity_of(model, layer: int, values: dict[str, torch.Tensor]) -> IdentityResult:
+def identity_of(model, layer: int, values: dict[str, torch.Tensor], run: int | None = None) -> IdentityResult:
     """Recompute block ``layer``'s output from its values with the family's formula, and compare."""
-    return IdentityResult(layer, model.block_spec(layer).formula, *_recompute(model, layer, values))
+    return IdentityResult(layer, model.block_spec(layer).formula, *_recompute(model, layer, values), run)
 
 
 def _recompute(model, layer: int, values: dict[str, torch.Tensor]) -> tuple[bool, float]:
@@ -77,13 +89,15 @@ def check_identity(model, inputs=None, remote: bool | str = False) -> list[Ident
     """
     if inputs is None:
         inputs = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
+    calls = _calls(model)
     with torch.no_grad(), model.trace(inputs, remote=remote):
         results = nnsight.save([])
-        for i in range(model.num_layers):
-            values = {key.rpartition(".")[2]: model.read_at(i, location) for _, key, location in model.timeline(i)
+        for i, run in calls:
+            values = {key.rpartition(".")[2]: model.read_at(i, location, run=run)
+                      for _, key, location in model.timeline(i)
                       if key.startswith("extra.") or key.rpartition(".")[2] in IDENTITY_TERMS}
             results.append(_recompute(model, i, values))
-    return [IdentityResult(i, model.block_spec(i).formula, *result) for i, result in enumerate(results)]
+    return [IdentityResult(i, model.block_spec(i).formula, *result, run) for (i, run), result in zip(calls, results)]
 
 
 # -- validation at load, on a miniature of the config ------------------------------------
@@ -169,25 +183,52 @@ def problems_of(model) -> list[str]:
     """Every way the family spec fails on ``model``: shapes of the values, and the identity."""
     problems = []
     ids = torch.arange(1, SEQ + 1).remainder(model.vocab_size).unsqueeze(0)
-    for i, values in enumerate(read_blocks(model, ids)):
+    for (i, run), values in zip(_calls(model), read_blocks(model, ids)):
+        label = _label(i, run)
         for value in CATALOG:
             if value.name in values:
                 problem = _shape_problem(model, i, value.name, tuple(values[value.name].shape))
                 if problem:
-                    problems.append(f"layer {i}: '{value.key}' {problem}")
+                    problems.append(f"{label}: '{value.key}' {problem}")
         if problems:
             continue
         if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
-            problems += _attention_problems(i, values)
-        result = identity_of(model, i, values)
+            problems += _attention_problems(label, values)
+        result = identity_of(model, i, values, run)
         if not result.exact:
-            problems.append(f"layer {i}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
+            problems.append(f"{label}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
                             + _suspects(model.block_spec(i), values))
-        problems += _placement_problems(model, i, values)
+        problems += _placement_problems(model, i, values, label)
+    return problems + _run_problems(model, ids)
+
+
+def _run_problems(model, ids) -> list[str]:
+    """Where blocks run several times per pass, a run is read at the same occurrence of each place: every module a
+    block's values are read at must run once per run of the block (not, say, once per query, key and value on
+    some runs), or a run's value would be another call's."""
+    if model.family.schedule is None:
+        return []
+    counts: dict[str, int] = {}
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+               for name, module in model._module.named_modules()]
+    try:
+        with torch.no_grad():
+            model._module(input_ids=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    problems = []
+    for i in range(model.num_layers):
+        block = model.block_spec(i)
+        for name, location in (*block.values.items(), *block.extra.items()):
+            path = model.block_path(i, location.path) if isinstance(location, At) else None
+            if path is not None and counts.get(path, 0) != model.runs_of(i):
+                problems.append(f"layer {i}: '{name}' is read at {path}, which runs {counts.get(path, 0)} times in a "
+                                f"pass, not once per run of the block ({model.runs_of(i)}): its runs cannot be told apart")
     return problems
 
 
-def _placement_problems(model, layer: int, values) -> list[str]:
+def _placement_problems(model, layer: int, values, label: str) -> list[str]:
     """What the identity alone cannot see: a value placed where another tensor of the right shape lives.
 
     On a sequential block the stream after the token mixer's add is ``layer_input + mixer_output``
@@ -199,33 +240,36 @@ def _placement_problems(model, layer: int, values) -> list[str]:
     problems = []
     first = next((add for add in FIRST_ADDS if block.formula.startswith(f"layer_output = {add}")), None)
     if first and "layer_mid" in values and not torch.equal(values["layer_mid"], FIRST_ADDS[first](values)):
-        problems.append(f"layer {layer}: 'layer_mid' is not {first.strip('()')} on a sequential block")
+        problems.append(f"{label}: 'layer_mid' is not {first.strip('()')} on a sequential block")
+    if block.mid and "layer_mid" in values and not torch.equal(values["layer_mid"], block.mid(values)):
+        problems.append(f"{label}: 'layer_mid' is not what the spec's mid() computes from the values")
     if "mlp_norm_output" in values and "mlp_input" in values and not torch.equal(
             values["mlp_norm_output"], values["mlp_input"].reshape(values["mlp_norm_output"].shape)):
-        problems.append(f"layer {layer}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
+        problems.append(f"{label}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
     module = model._module.get_submodule(model.block_path(layer))
     # the attention's own modules are not experts (on a block that has attention: the path may hold an MLP elsewhere)
     attention = model.family.attention if isinstance(block.resolve("attention_output"), At) else None
     names = [name for name, _ in (*module.named_modules(), *module.named_parameters())
              if not (attention and name.startswith(attention + "."))]
-    has_experts = any("expert" in name or "router" in name for name in names)  # experts, or a router over them
+    # experts, or a router over them (not AltUp's, under ``altup``: it weighs Gemma-3n's streams, not experts)
+    has_experts = any("expert" in name or "router" in name for name in names if not name.startswith("altup."))
     labelled_routed = block.values.get("mlp_activation") is ROUTED
     # the label is the block's one MLP's: a block whose MLP contribution is unavailable (LongCat-Flash's two dense
     # pairs and routed shortcut) has none to label
     if labelled_routed != has_experts and isinstance(block.resolve("mlp_output"), At):
-        problems.append(f"layer {layer}: the spec labels the MLP {'routed' if labelled_routed else 'dense'}, but the "
+        problems.append(f"{label}: the spec labels the MLP {'routed' if labelled_routed else 'dense'}, but the "
                         f"block ({type(module).__name__}) has {'experts' if has_experts else 'no experts'}")
     return problems
 
 
-def _attention_problems(layer: int, values) -> list[str]:
+def _attention_problems(label: str, values) -> list[str]:
     """The attention internals must compose to the heads' outputs: probabilities · values == attention_premix."""
     probabilities, v = values["attention_probabilities"], values["values"].transpose(1, 2)  # [b, kv_heads, k, d]
     groups = probabilities.shape[1] // v.shape[1]
     mixed = torch.matmul(probabilities, v.repeat_interleave(groups, dim=1)[:, :, : probabilities.shape[-1]])
     premix = values["attention_premix"]
     if mixed.transpose(1, 2).shape != premix.shape or not torch.allclose(mixed.transpose(1, 2), premix, atol=1e-5):
-        return [f"layer {layer}: attention_probabilities · values != 'self_attn.attention_premix'"]
+        return [f"{label}: attention_probabilities · values != 'self_attn.attention_premix'"]
     return []
 
 
@@ -266,10 +310,13 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout", "vocab_projection"):
         if getattr(family, what):
             check(what, getattr(family, what), model)
+    for path in family.stacks:
+        check("stacks", path, model)
     if problems:
         return problems
     text_config = config.get_text_config()
-    for i, block in enumerate(model.get_submodule(family.layers)):
+    blocks = [(f"{path}.{j}.", block) for path in family.block_lists for j, block in enumerate(model.get_submodule(path))]
+    for i, (prefix, block) in enumerate(blocks):
         spec = family.block(text_config, i)
         has_attention = isinstance(spec.resolve("attention_output"), At)  # not a hybrid's other blocks
         has_mlp = isinstance(spec.resolve("mlp_output"), At)  # not a recurrent block
@@ -278,7 +325,7 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
                   **{f"'{name}'": location.path for name, location in {**spec.values, **spec.extra}.items()
                      if isinstance(location, At) and location.path}}
         for what, path in places.items():
-            check(f"layer {i}: {what}", path, block, prefix=f"{family.layers}.{i}.")
+            check(f"layer {i}: {what}", path, block, prefix=prefix)
         if problems:  # the first block that misses a path says it all
             return problems
     return problems

@@ -18,9 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from . import attention, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
-from .errors import NNterpError, UnknownArchitecture, ValueUnavailable
-from .families import Block, Family, family_of
-from .locations import At, SameAs, Unavailable, child, leading_shape, token_count
+from .errors import NNterpError, ReadoutUnavailable, RunNotChosen, UnknownArchitecture, ValueUnavailable
+from .families import BY_MODEL_TYPE, Block, Family, family_of
+from .locations import At, SameAs, Unavailable, leading_shape, token_count
 from .selection import layer_ranges
 
 
@@ -88,9 +88,15 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
 
 
 def _architecture_of(config) -> type[PreTrainedModel]:
+    mapping = AutoModelForCausalLM._model_mapping
+    text_config = config.get_text_config()
     try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
+        return mapping[type(config)]
     except KeyError:
+        # an image-text type transformers builds no causal LM for, whose checkpoints load as their text model's
+        # (Inkling-2's): served where a family lists the type
+        if text_config is not config and type(text_config) in mapping and config.model_type in BY_MODEL_TYPE:
+            return mapping[type(text_config)]
         raise UnknownArchitecture(
             f"transformers has no causal language model for {type(config).__name__} (model_type "
             f"{config.model_type!r}); nnterp covers decoder language models."
@@ -102,12 +108,13 @@ def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwarg
     and every value read from them noise (transformers only logs it). A few missing weights (a norm that a loading
     option added to the checkpoint's architecture) are left to transformers' warning."""
     model, info = architecture.from_pretrained(name, output_loading_info=True, **kwargs)
-    prefix = family.layers + "."
-    missing = {key for key in info.get("missing_keys", ()) if key.startswith(prefix)}
+    prefixes = tuple(f"{path}." for path in family.block_lists)
+    missing = {key for key in info.get("missing_keys", ()) if key.startswith(prefixes)}
     blocks: dict[str, set[str]] = {}
     for key, _ in model.named_parameters():
-        if key.startswith(prefix):
-            blocks.setdefault(key[len(prefix):].partition(".")[0], set()).add(key)
+        for prefix in prefixes:
+            if key.startswith(prefix):
+                blocks.setdefault(prefix + key[len(prefix):].partition(".")[0], set()).add(key)
     if any(weights <= missing for weights in blocks.values()):
         raise ValueError(
             f"{len(missing)} weights of the blocks of {architecture.__name__} are not in the checkpoint {str(name)!r} "
@@ -147,6 +154,9 @@ class StandardizedTransformer(TransformersModel):
             family = family_of(config, architecture.__name__)
             if family.checkpoint_keys:  # the user's own key_mapping, if any, wins
                 from_pretrained_kwargs = {"key_mapping": dict(family.checkpoint_keys), **from_pretrained_kwargs}
+            if lazy and type(config) not in AutoModelForCausalLM._model_mapping:
+                # an image-text config that loads as its text model (Inkling-2's): built, and loaded, from its text part
+                from_pretrained_kwargs = {"config": config.get_text_config(), **from_pretrained_kwargs}
             if not lazy:
                 model = _load_whole(architecture, model, family, from_pretrained_kwargs)
         elif from_pretrained_kwargs:
@@ -173,6 +183,11 @@ class StandardizedTransformer(TransformersModel):
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         family = family_of(config, architecture.__name__) if lazy else family_of(model.config, type(model).__name__)
+        if not lazy and not _has_module(model, family.layers):  # another class of the type (an image-text one)
+            raise UnknownArchitecture(
+                f"{type(model).__name__} has no module '{family.layers}', where the {family.name} spec finds the "
+                f"blocks of its causal LM ({', '.join(family.model_types)}). Load the checkpoint by name or folder "
+                "(StandardizedTransformer(name)), which builds that causal LM, or wrap it.")
         if not lazy:
             model.eval()  # nnsight does not; dropout would make every value random
         # explicit base calls throughout: the class travels by value to remote servers, where a
@@ -183,17 +198,23 @@ class StandardizedTransformer(TransformersModel):
             tokenizer=tokenizer,
             task="text-generation",
             rename=family.rename(),
-            envoys={
-                family.layers: LayersEnvoy,
-                f"{family.layers}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
-                **({f"{family.layers}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
-                **({f"{family.layers}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
+            envoys={pattern: envoy for blocks in family.block_lists for pattern, envoy in {
+                blocks: LayersEnvoy,
+                f"{blocks}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,
+                **({f"{blocks}.*.{family.attention}": AttentionEnvoy} if family.attention else {}),
+                **({f"{blocks}.*.{family.mlp}": SublayerEnvoy if family.mlp == family.attention else MLPEnvoy}
                    if family.mlp else {}),
-            },
+            }.items()},
             **({"dispatch": False, **from_pretrained_kwargs} if lazy else {}),
         )
         model = self._module  # lazy: the weightless model that stands in until the first trace
         self._nnterp_family = family
+        # the native path of each block; where the blocks are in several lists (stacks), ``model.layers`` is all of
+        # them in order, a list of their envoys
+        self._nnterp_block_paths = tuple(f"{path}.{i}" for path in family.block_lists
+                                         for i in range(len(model.get_submodule(path))))
+        if family.stacks:
+            self.__dict__["layers"] = StackedLayers([self._envoy_at(path) for path in self._nnterp_block_paths])
         self._nnterp_text_config = model.config.get_text_config()
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
@@ -201,6 +222,7 @@ class StandardizedTransformer(TransformersModel):
         # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts; None
         # on a model without attention: a recurrent one)
         self._nnterp_heads = heads_per_layer(family, self._nnterp_text_config, len(self.layers))
+        self._nnterp_schedule = schedule_of(family, self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -247,7 +269,7 @@ class StandardizedTransformer(TransformersModel):
         family = self.family
         lines = [tree, "",
                  f"Standard names ({family.name} family, {self.num_layers} blocks):",
-                 f"  model.layers[i] = {family.layers}[i]",
+                 f"  model.layers[i] = {' then '.join(f'{path}[i]' for path in family.block_lists)}",
                  f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
                  f"model.lm_head = {family.lm_head}"
                  + (f" (then {family.vocab_projection}, the projection on the vocabulary)" if family.vocab_projection else "")]
@@ -293,6 +315,25 @@ class StandardizedTransformer(TransformersModel):
         None on a model without attention)."""
         return _global(self._nnterp_text_config, "num_attention_heads")
 
+    @property
+    def schedule(self) -> tuple[tuple[int, int], ...]:
+        """``(layer, run)`` of every block call in one forward pass, in the order the model makes them: each block
+        once (run 0), except where a section of blocks runs several times (a looped model)."""
+        return self._nnterp_schedule
+
+    def runs_of(self, layer: int) -> int:
+        """How many times block ``layer`` runs in each forward pass (1 except in a looped section)."""
+        layer %= self.num_layers
+        return sum(1 for block, _ in self._nnterp_schedule if block == layer)
+
+    def run_slot(self, layer: int, run: int) -> Slot:
+        """The slot of run ``run`` of block ``layer``; an ``IndexError`` names the runs the block has."""
+        runs = self.runs_of(layer)
+        if not 0 <= run < runs:
+            raise IndexError(f"Run {run} is out of range: layers[{layer}] runs {runs} time{'s' * (runs > 1)} in each "
+                             f"forward pass (runs 0 to {runs - 1}).")
+        return Slot(self, layer % self.num_layers, run)
+
     def num_heads_of(self, layer: int) -> int:
         """The number of attention heads of block ``layer`` (the views per head split by it)."""
         return self._nnterp_heads[layer]
@@ -309,6 +350,7 @@ class StandardizedTransformer(TransformersModel):
         ``layer_output`` it gives the model's own logits.
         """
         family = self.family
+        self.refuse_unreadable_stream()
         if family.stream_readout:
             hidden = self._module.get_submodule(family.stream_readout)(hidden)
         norm_weight = getattr(self.ln_final._module, "weight", None)
@@ -328,6 +370,12 @@ class StandardizedTransformer(TransformersModel):
         if family.logits_transform:
             logits = family.logits_transform(logits, self._module.config)
         return logits
+
+    def refuse_unreadable_stream(self) -> None:
+        """Raise ``ReadoutUnavailable`` where the family has no readout of one stream (``project_on_vocab``, the lens)."""
+        if self.family.readout_unavailable:
+            raise ReadoutUnavailable(f"project_on_vocab and the logit lens are unavailable on {self.family.name}: "
+                              f"{self.family.readout_unavailable}.")
 
     def dispatch(self) -> None:
         """Load the weights of a model built with ``dispatch=False`` (the first trace does it too)."""
@@ -410,9 +458,12 @@ class StandardizedTransformer(TransformersModel):
         through ``.source``, which each pass instruments before its first value (``_begin_pass``)."""
         where = attention.internal_locations(self.family, self._nnterp_text_config, self._nnterp_attention_on)
         self._nnterp_resolved: dict[tuple[int, str], tuple] = {}
-        # a block that places the internals itself (unavailable: a hybrid's block without attention) keeps them
-        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**where, **block.values})
-                                    for block in self._nnterp_structure)
+        # a block that places the internals itself (unavailable: a hybrid's block without attention) keeps them;
+        # where it reads them elsewhere (Gemma-3n's shared keys, read as copies), only while they are on
+        off = {name for name, location in where.items() if isinstance(location, Unavailable)}
+        self._nnterp_blocks = tuple(dataclasses.replace(block, values={**where, **{
+            name: location for name, location in block.values.items() if not (name in off and isinstance(location, At))
+        }}) for block in self._nnterp_structure)
         self._nnterp_sourced = sorted({self.block_path(i, location.path)
                                        for i, block in enumerate(self._nnterp_blocks)
                                        for location in (*block.values.values(), *block.extra.values())
@@ -434,7 +485,7 @@ class StandardizedTransformer(TransformersModel):
 
     def block_path(self, layer: int, path: str = "") -> str:
         """The native module name of ``path`` (relative to block ``layer``) in the HF model."""
-        return ".".join(filter(None, (self.family.layers, str(layer % self.num_layers), path)))
+        return ".".join(filter(None, (self._nnterp_block_paths[layer % self.num_layers], path)))
 
     def location(self, layer: int, name: str) -> At:
         """Where value ``name`` of block ``layer`` is read; ``ValueUnavailable`` where it has no meaning."""
@@ -444,16 +495,46 @@ class StandardizedTransformer(TransformersModel):
             raise ValueUnavailable(value.key, self.family.name, location.reason)
         return location
 
-    def read_value(self, layer: int, name: str) -> torch.Tensor:
-        """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives)."""
+    def read_value(self, layer: int, name: str, run: int | None = None) -> torch.Tensor:
+        """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives), at run
+        ``run`` of a block that runs several times per pass (``model.layers[layer].run(run).<name>``)."""
         location, key, block, envoy, plain = self._resolved(layer, name)
         self._begin_pass(block)
+        pinned = self._pin_run(layer, run, key, location, block)
         try:
             if plain:  # the module's own tensor, no view or copy: what raw nnsight reads, as directly
                 return location._raw(envoy)
             return location.read(block, self._nnterp_heads[layer], envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
+        finally:
+            _unpin(pinned)
+
+    def _pin_run(self, layer: int, run: int | None, key: str, location: At, block) -> Mediator | None:
+        """Bind the requests that follow to run ``run`` of block ``layer`` until ``_unpin`` (nnsight binds a request
+        to a module's first call unless the mediator is pinned to a later occurrence, which ``tracer.iter`` does per
+        generation step); the mediator pinned, or None. (Plain calls, not a context manager: the class travels by
+        value to remote servers as source, without its decorators.)"""
+        runs = self.runs_of(layer) if self.family.schedule else 1
+        if run is None and runs > 1:
+            raise RunNotChosen(
+                f"layers[{layer}] runs {runs} times in each forward pass of {self.family.name} (a looped section), so "
+                f"'{key}' has a value per run: read one with model.layers[{layer}].run(k).{key}, k from 0 to "
+                f"{runs - 1} (model.schedule lists the block calls in forward order).")
+        if not run:  # the first run: nnsight's own binding
+            return None
+        self.run_slot(layer, run)  # an out-of-range run says so
+        mediator = Mediator.current("a standard value")
+        if mediator.iteration != 0:
+            raise NNterpError(
+                f"layers[{layer}].run({run}).{key}: the runs of a looped block are read in a trace, or in the first "
+                "step of a generation (tracer.iter[0]); a later step's runs cannot be told apart from the earlier "
+                "steps' calls.")
+        where = f"{location.envoy(block).path}.{location.side}"
+        if mediator.occurrence(where) > run:  # pinned, nnsight would wait for a call that never comes
+            raise OutOfOrderError(f"'{where}.i{run}' was requested but the model already ran past it")
+        mediator.iteration = run
+        return mediator
 
     def _resolved(self, layer: int, name: str) -> tuple[At, str, Envoy, Envoy | None, bool]:
         """(location, key, block envoy, module envoy, plain) of a value of a block, resolved once per model (a
@@ -469,14 +550,17 @@ class StandardizedTransformer(TransformersModel):
             found = self._nnterp_resolved[(layer, name)] = (location, value_named(name).key, block, envoy, plain)
         return found
 
-    def read_at(self, layer: int, location: At, key: str | None = None) -> torch.Tensor:
-        """Inside a trace: the tensor at ``location`` of block ``layer``."""
+    def read_at(self, layer: int, location: At, key: str | None = None, run: int | None = None) -> torch.Tensor:
+        """Inside a trace: the tensor at ``location`` of block ``layer`` (at run ``run`` of a looped block)."""
         block = self.layers[layer]
         self._begin_pass(block)
+        pinned = self._pin_run(layer, run, key or location.describe(), location, block)
         try:
             return location.read(block, self._nnterp_heads[layer])
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key or location.describe(), error) from None
+        finally:
+            _unpin(pinned)
 
     def _out_of_order(self, layer: int, key: str, error: Exception) -> OutOfOrderError:
         """nnsight's error, in the standard names: which value, and the order to read a block's values in."""
@@ -524,17 +608,21 @@ class StandardizedTransformer(TransformersModel):
     def _envoy_at(self, path: str):
         envoy = self
         for part in path.split("."):
-            envoy = envoy[int(part)] if part.isdigit() else child(envoy, part)
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
         return envoy
 
-    def write_value(self, layer: int, name: str, value: torch.Tensor) -> None:
-        """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``)."""
+    def write_value(self, layer: int, name: str, value: torch.Tensor, run: int | None = None) -> None:
+        """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``), at
+        run ``run`` of a block that runs several times per pass."""
         location, key, block, envoy, _ = self._resolved(layer, name)
         self._begin_pass(block)
+        pinned = self._pin_run(layer, run, key, location, block)
         try:
             location.write(block, value, self._nnterp_heads[layer], key, envoy)
         except OutOfOrderError as error:
             raise self._out_of_order(layer, key, error) from None
+        finally:
+            _unpin(pinned)
 
     def availability(self, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""
@@ -594,6 +682,37 @@ class StandardizedTransformer(TransformersModel):
                 "model: the family spec does not match it. Please report this with the model's config."
             )
         return index
+
+
+class StackedLayers(list):
+    """``model.layers`` where the blocks are in several lists (stacks): their envoys, in order. ``_module`` lists
+    their modules (a plain list: nothing is added to the model)."""
+
+    @property
+    def _module(self) -> list[torch.nn.Module]:
+        return [envoy._module for envoy in self]
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and not -len(self) <= key < len(self):
+            raise IndexError(f"Layer {key} is out of range: the model has {len(self)} layers (0 to {len(self) - 1}).")
+        return list.__getitem__(self, key)
+
+
+def _unpin(mediator: Mediator | None) -> None:
+    """Back to nnsight's own binding, each request to a module's first call (``_pin_run``)."""
+    if mediator is not None:
+        mediator.iteration = 0
+
+
+def schedule_of(family: Family, config, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``(layer, run)`` of each block call of a forward pass, in order (``Family.schedule``)."""
+    order = family.schedule(config) if family.schedule else range(num_layers)
+    seen: dict[int, int] = {}
+    calls = []
+    for layer in order:
+        calls.append((layer, seen.get(layer, 0)))
+        seen[layer] = seen.get(layer, 0) + 1
+    return tuple(calls)
 
 
 def _has_module(module: torch.nn.Module, path: str) -> bool:

@@ -10,8 +10,11 @@ from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
 
 from .test_dual_pair import CASES as DUAL_PAIR_CASES
 from .test_families import CASES
+from .test_gemma3n import CASES as GEMMA3N_CASES
 from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
+from .test_inkling2 import CASES as INKLING2_CASES
+from .test_looped import CASES as LOOPED_CASES
 from .test_multimodal import CASES as MULTIMODAL_CASES
 from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
@@ -31,6 +34,7 @@ def test_every_causal_lm_type_is_served_or_classified():
     assert not served & set(EXCLUDED), f"served and excluded at once: {sorted(served & set(EXCLUDED))}"
     assert set(EXCLUDED) <= types, f"classified types transformers no longer has: {sorted(set(EXCLUDED) - types)}"
     assert all(category in CATEGORIES and len(reason) > 10 for category, reason in EXCLUDED.values())
+    assert {category for category, _ in EXCLUDED.values()} == set(CATEGORIES)  # no empty category
 
 
 def test_a_type_nobody_has_read_fails_the_census():
@@ -51,6 +55,9 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= {model_type for model_type, *_ in RECURRENT_CASES.values()}  # test_recurrent.py
     cased |= {model_type for model_type, *_ in DUAL_PAIR_CASES.values()}  # test_dual_pair.py
     cased |= {model_type for model_type, *_ in PROMPT_PREFIX_CASES.values()}  # test_prompt_prefix.py
+    cased |= {model_type for model_type, *_ in LOOPED_CASES.values()}  # test_looped.py
+    cased |= {model_type for model_type, *_ in GEMMA3N_CASES.values()}  # test_gemma3n.py
+    cased |= {model_type for model_type, *_ in INKLING2_CASES.values()}  # test_inkling2.py
     cased |= {model_type for model_type, *_ in REFORMER_CASES.values()}  # test_reformer.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more

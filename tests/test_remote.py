@@ -292,3 +292,36 @@ def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requ
     assert_same(read_everything(model, False), read_everything(model, True))
     assert_same(edit_everything(model, False), edit_everything(model, True))
     assert requests
+
+
+@pytest.mark.parametrize("model_type", ["dory", "hrm_text"])
+def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpoints, requests):
+    """Dory's looped section and HRM-Text's two looped stacks: every value of every run of every block, and edits
+    of runs, locally and on the plain server model (a run is chosen by pinning nnsight's occurrence, which the
+    server does as well)."""
+    folder = checkpoints / model_type
+    build_tiny(BY_MODEL_TYPE[model_type].tiny_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    huggingface._ID_CACHE[str(folder)] = str(folder)
+    model = StandardizedTransformer(str(folder), attention_values=True)
+
+    def every_run(remote):
+        with torch.no_grad(), model.trace(IDS, remote=remote):
+            saved = nnsight.save({})
+            for i, run in model.schedule:
+                at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
+                for key in model.order(i):
+                    owner, _, name = key.rpartition(".")
+                    saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
+            saved["logits"] = model.logits
+        with torch.no_grad(), model.trace(IDS, remote=remote):
+            model.layers[1].run(1).self_attn.attention_output[:] *= 0.5
+            model.layers[2].run(1).layer_input = model.layers[2].run(1).layer_input * 0.5
+            edited = model.logits.save()
+        return {**saved, "edited": edited}
+
+    local, remote = every_run(False), every_run(True)
+    assert set(local) == set(remote) and len(local) > 100
+    for key in local:
+        assert torch.equal(local[key], remote[key]), key
+    assert not torch.equal(local["edited"], local["logits"]) and len(requests) == 2

@@ -27,15 +27,18 @@ from .cpmant import CPMANT
 from .ctrl import CTRL
 from .dbrx import DBRX
 from .deepseek_v4 import DEEPSEEK_V4
+from .dory import DORY
 from .dual_pair import LONGCAT_FLASH
 from .falcon import FALCON
 from .gated import DOGE, ZAYA
+from .gemma3n import GEMMA3N
 from .gemma4 import GEMMA4, GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL
 from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, HYPERCLOVAX, MINICPM3
+from .hrm_text import HRM_TEXT
 from .hy_v4 import HY_V4
 from .hybrid import (
     BAMBA,
@@ -51,6 +54,7 @@ from .hybrid import (
     QWEN3_NEXT,
 )
 from .inkling import INKLING
+from .inkling2 import INKLING2, INKLING2_LOOP
 from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
@@ -87,6 +91,9 @@ FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
 FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
 FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
+FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs several times per pass (tests/test_looped.py)
+FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_gemma3n.py)
+FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/test_inkling2.py)
 FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/test_reformer.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)

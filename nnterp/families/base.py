@@ -31,6 +31,8 @@ class Block:
     ``extra`` tensors, read like values) in the order the model's code adds them.
     ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
     is exact, else the documented rounding (in ulps of the block's dtype).
+    ``mid(terms)`` recomputes ``layer_mid`` from the values, where the formula's first add does not
+    say it (a cast before the add; a block whose stream restarts: the token mixer's output alone).
     """
 
     values: dict[str, Location]
@@ -38,6 +40,7 @@ class Block:
     combine: Callable[[Terms, torch.nn.Module], torch.Tensor]
     extra: dict[str, At] = field(default_factory=dict)
     ulps: int = 0
+    mid: Callable[[Terms], torch.Tensor] | None = None
 
     def __post_init__(self):
         if "mixer_output" not in self.values:  # a block whose token mixer is its attention
@@ -111,6 +114,20 @@ class Family:
     # {module class: "self_attn" or "mlp"} (a function giving it, imported when asked): where one native name holds
     # a different sublayer from block to block, the standard name binds by the class of the module a block holds
     sublayer_classes: Callable[[], dict[type, str]] | None = None
+    # the blocks in the order one forward pass calls them, where some run more than once (a looped section, as in
+    # Dory): a function of the (text) config giving block indices; None: every block once, in order. A block that
+    # runs several times serves its values per run (``layers[i].run(k)``)
+    schedule: Callable[[PretrainedConfig], tuple[int, ...]] | None = None
+    # further block lists, whose blocks follow those of ``layers`` in ``model.layers`` (HRM-Text's two stacks)
+    stacks: tuple[str, ...] = ()
+    # why no stream can be read out as the model reads its last block's output (a readout that mixes earlier blocks'
+    # outputs in too): project_on_vocab and the logit lens refuse with it; None: they read out through the head
+    readout_unavailable: str | None = None
+
+    @property
+    def block_lists(self) -> tuple[str, ...]:
+        """Every ModuleList of blocks, in the order their blocks are numbered."""
+        return (self.layers, *self.stacks)
 
     def attention_of(self, config: PretrainedConfig) -> EagerAttention | Unavailable:
         """Where the attention internals are read on a model with this (text) config, or why they are unavailable."""

@@ -1,0 +1,319 @@
+"""Looped models (Dory, HRM-Text, Inkling-2-Loop): blocks that run several times per forward pass, with values per run, against
+plain hooks.
+
+Ground truth: forward hooks on the unwrapped model record every call of every block and of its sublayer modules
+(boundaries written from transformers' DoryDecoderLayer and HrmTextDecoderLayer), in call order; run k of a block
+is its k-th call. The identities are the blocks' own arithmetic, written here: Dory's L2 norm and interpolation
+towards each sublayer's normalised output at the rate |λ·s|; HRM-Text's sequential adds; Inkling-2's float32
+partial sum, restarting on a block's first layer (read from the module's ``is_block_boundary``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nnsight.intervention.interleaver import OutOfOrderError
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer
+from nnterp.edits import skip_layers
+from nnterp.errors import ReadoutUnavailable, RunNotChosen
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.miniature import miniature_config
+from nnterp.standardized import schedule_of
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, perturb, tiny_tokenizer
+
+IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
+DTYPES = [torch.float32, torch.bfloat16]
+
+# value -> (module relative to the block, side)
+DORY_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
+           "attention_premix": ("self_attn.o_proj", "in"), "attention_output": ("post_attention_layernorm", "out"),
+           "layer_mid": ("pre_feedforward_layernorm", "in"), "mlp_norm_output": ("pre_feedforward_layernorm", "out"),
+           "mlp_input": ("mlp", "in"), "mlp_activation": ("mlp.act_fn", "out"), "mlp_neurons": ("mlp.down_proj", "in"),
+           "mlp_output": ("post_feedforward_layernorm", "out"), "layer_output": ("", "out")}
+SUBLAYER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
+            "mlp_neurons": "mlp", "mlp_output": "mlp"}
+HRM_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
+          "attention_premix": ("self_attn.o_proj", "in"), "attention_output": ("self_attn", "out"),
+          "layer_mid": ("post_attention_layernorm", "in"), "mlp_norm_output": ("post_attention_layernorm", "out"),
+          "mlp_input": ("mlp", "in"), "mlp_activation": ("mlp.act_fn", "out"), "mlp_neurons": ("mlp.down_proj", "in"),
+          "mlp_output": ("mlp", "out"), "layer_output": ("", "out")}
+
+
+def inkling2_at(block):
+    """Inkling-2-Loop's places, by the layer's module: a loop layer, or a full-attention one, has no one normed input
+    of its attention; the partial sum is the MLP mix's second input."""
+    at = {"layer_input": ("", "in"), "attention_premix": ("self_attn.o_proj", "in"),
+          "attention_output": ("post_attention_convolution", "out"), "layer_mid": ("mlp_input", "in1"),
+          "mlp_norm_output": ("post_attention_layernorm", "out"), "mlp_input": ("mlp", "in"),
+          "mlp_output": ("post_mlp_convolution", "out"), "layer_output": ("", "out")}
+    if type(block).__name__ == "Inkling2LoopSlidingDecoderLayer":
+        at["attention_norm_output"] = ("input_layernorm", "out")
+    return at
+
+
+def l2(x):
+    return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+def dory_adds(block, v):
+    """Dory's block: normalise, move towards the sublayer's normalised output at |λ·s|, twice."""
+    n1 = l2(v["layer_input"])
+    mid = n1 + (block.lambda_1 * block.lambda_scale).abs() * (v["attention_output"] - n1)
+    n2 = l2(mid)
+    return (torch.equal(v["attention_norm_output"], n1) and torch.equal(v["layer_mid"], mid)
+            and torch.equal(v["layer_output"], n2 + (block.lambda_2 * block.lambda_scale).abs() * (v["mlp_output"] - n2)))
+
+
+def sequential_adds(block, v):
+    mid = v["layer_input"] + v["attention_output"]
+    return torch.equal(v["layer_mid"], mid) and torch.equal(v["layer_output"], mid + v["mlp_output"])
+
+
+def partial_sum_adds(block, v):
+    """Inkling-2's layer: the float32 partial sum, restarting from the attention's contribution on a block's first
+    layer; cast back at the end."""
+    x, a, m = v["layer_input"], v["attention_output"], v["mlp_output"]
+    mid = a.float() if block.is_block_boundary else x.float() + a.float()
+    return torch.equal(v["layer_mid"], mid) and torch.equal(v["layer_output"], (mid + m).to(x.dtype))
+
+
+# model type -> (the truth's places (or a function of the block's module giving them), the blocks in standard order
+# from the plain model, the block's arithmetic)
+CASES = {
+    "dory": ("dory", DORY_AT, lambda hf: list(hf.model.layers), dory_adds),
+    "hrm_text": ("hrm_text", HRM_AT, lambda hf: [*hf.model.L_module.layers, *hf.model.H_module.layers], sequential_adds),
+    "inkling2_loop_text": ("inkling2_loop_text", inkling2_at, lambda hf: list(hf.model.layers), partial_sum_adds),
+}
+
+
+def places(case, block):
+    truth = CASES[case][1]
+    return truth(block) if callable(truth) else truth
+
+
+def make(case="dory", dtype=torch.float32):
+    if case == "inkling2_loop_text":  # built in dtype as a checkpoint loads: its router and convolutions stay float32
+        torch.manual_seed(0)
+        config = BY_MODEL_TYPE[case].tiny_config()
+        hf_model = perturb(AutoModelForCausalLM.from_config(config, dtype=dtype)).eval()
+    else:
+        hf_model = build_tiny(BY_MODEL_TYPE[case].tiny_config(), dtype)
+    return StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer()), hf_model
+
+
+def capture(hf_model, case="dory", ids=IDS):
+    """Every call of every block, in order, and each call's tensors at the truth's places:
+    (calls, {(layer, run, name)}, logits)."""
+    calls, captured, handles = [], {}, []
+    runs: dict[tuple[int, str], int] = {}
+    for i, block in enumerate(CASES[case][2](hf_model)):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
+        for name, (path, side) in places(case, block).items():
+            module = block.get_submodule(path) if path else block
+
+            def record(tensor, i=i, name=name):
+                run = runs[(i, name)] = runs.get((i, name), -1) + 1
+                captured[(i, run, name)] = tensor.detach().clone()
+
+            if side.startswith("in"):
+                arg = int(side[2:] or 0)
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, k, record=record, arg=arg: record(a[arg] if len(a) > arg else k["hidden_states"]),
+                    with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(
+                    lambda m, a, o, record=record: record(o[0] if isinstance(o, tuple) else o)))
+    try:
+        with torch.no_grad():
+            logits = hf_model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, captured, logits
+
+
+def read_runs(model, ids=IDS):
+    """Every value of every block call, through the standard names, in one trace in forward order."""
+    saved = {}
+    with torch.no_grad(), model.trace(ids):
+        for i, run in model.schedule:
+            at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
+            for key in model.order(i):
+                owner, _, name = key.rpartition(".")
+                saved[(i, run, name)] = getattr(getattr(at, owner) if owner else at, name).save()
+        logits = model.logits.save()
+    return saved, logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_every_run_of_every_block_equals_the_hooks_and_the_identity_holds(case, dtype):
+    model, hf_model = make(case, dtype)
+    calls, expected, expected_logits = capture(hf_model, case)
+    assert max(calls.count(i) for i in set(calls)) >= 3  # the tiny config loops
+    assert [layer for layer, _ in model.schedule] == calls  # the forward's own call order
+    assert {i: model.runs_of(i) for i in range(model.num_layers)} == {i: calls.count(i) for i in range(model.num_layers)}
+    saved, logits = read_runs(model)
+    assert torch.equal(logits, expected_logits)
+    assert {key for key in saved} == {key for key in expected}  # every value of every run, nothing else
+    for key, tensor in saved.items():
+        assert torch.equal(tensor, expected[key].reshape(tensor.shape)), key
+    _, _, blocks, adds = CASES[case]
+    for i, run in model.schedule:
+        block = blocks(hf_model)[i]
+        assert adds(block, {name: saved[(i, run, name)] for name in places(case, block)}), (i, run)
+    # the runs differ: a loop sees another stream, so reading the first run everywhere would be wrong
+    looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
+    assert not torch.equal(saved[(looped, 0, "layer_output")], saved[(looped, 1, "layer_output")])
+    assert all(result.exact for result in check_identity(model, IDS))
+
+
+def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
+    """The plain model's logits with ``edit`` applied to the tensor at ``module`` on its ``call``-th call only."""
+    seen = [-1]
+
+    arg = int(side[2:] or 0) if side.startswith("in") else 0
+
+    def pre(m, args):
+        seen[0] += 1
+        return (*args[:arg], edit(args[arg]), *args[arg + 1:]) if seen[0] == call else None
+
+    def post(m, args, out):
+        seen[0] += 1
+        if seen[0] != call:
+            return None
+        return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
+
+    handle = module.register_forward_pre_hook(pre) if side.startswith("in") else module.register_forward_hook(post)
+    try:
+        with torch.no_grad():
+            return hf_model(input_ids=ids).logits
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_output", "layer_input", "layer_output"])
+@pytest.mark.parametrize("case", CASES)
+def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name):
+    model, hf_model = make(case)
+    block = CASES[case][2](hf_model)[2]
+    path, side = places(case, block)[name]
+    module = block.get_submodule(path) if path else block
+    def edit(t):  # in place, as the trace's edit: where the block keeps using the tensor (its residual), it sees it
+        return t.copy_(t * 0.5 + 0.25)
+
+    expected = run_with_hook(hf_model, module, side, 1, edit)
+    with torch.no_grad(), model.trace(IDS):
+        at = model.layers[2].run(1)
+        owner = getattr(at, SUBLAYER[name]) if name in SUBLAYER else at
+        tensor = getattr(owner, name)
+        tensor[:] = tensor * 0.5 + 0.25  # in place
+        logits = model.logits.save()
+    assert torch.equal(logits, expected)
+    assert not torch.equal(logits, run_with_hook(hf_model, module, side, 0, edit))
+    last = model.runs_of(2) - 1
+    with torch.no_grad(), model.trace(IDS):  # an assignment, of the last run
+        at = model.layers[2].run(last)
+        owner = getattr(at, SUBLAYER[name]) if name in SUBLAYER else at
+        setattr(owner, name, getattr(owner, name) * 0.5 + 0.25)
+        logits = model.logits.save()
+    assert torch.equal(logits, run_with_hook(hf_model, module, side, last, edit))
+
+
+def test_a_looped_value_without_a_run_an_absent_run_and_an_earlier_run_after_a_later_one_are_refused():
+    model, _ = make()
+    with pytest.raises(RunNotChosen, match=r"layers\[2\] runs 3 times.*run\(k\)\.layer_output"):
+        with model.trace(IDS):
+            model.layers[2].layer_output.save()
+    with pytest.raises(RunNotChosen, match="run"):
+        with model.trace(IDS):
+            model.layers[1].self_attn.attention_output.save()
+    with pytest.raises(IndexError, match="runs 3 times"):
+        model.layers[2].run(3)
+    with pytest.raises(IndexError, match="runs 1 time "):
+        model.layers[0].run(1)
+    with pytest.raises(OutOfOrderError, match="already ran past"):
+        with model.trace(IDS):
+            model.layers[3].run(1).layer_output.save()
+            model.layers[2].run(1).layer_output.save()
+    with pytest.raises(ValueError, match="a skip replaces one call"):
+        with model.trace(IDS):
+            skip_layers(model, 2, stream=torch.zeros(2, 7, 32))
+    with model.trace(IDS):  # blocks that run once read as on any model, and the runs in order after a refusal
+        first = model.layers[0].layer_output.save()
+        later = model.layers[1].run(2).layer_output.save()
+        logits = model.logits.save()
+    assert first.shape == later.shape == (2, 7, 32) and logits.shape == (2, 7, 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["dory", "hrm_text"])  # Inkling-2-Loop's readout mixes every block's summary in
+def test_project_on_vocab_of_the_last_block_is_the_logits(case, dtype):
+    model, _ = make(case, dtype)
+    layer, run = model.schedule[-1]
+    with torch.no_grad(), model.trace(IDS):
+        last = model.layers[layer].run(run).layer_output.save()
+        logits = model.logits.save()
+    with torch.no_grad():
+        assert torch.equal(model.project_on_vocab(last), logits)
+
+
+def test_the_attention_internals_are_read_at_each_run():
+    model, hf_model = make()
+    model.enable_attention_values()
+    v_proj, calls = hf_model.model.layers[2].self_attn.v_proj, []
+    handle = v_proj.register_forward_hook(lambda m, a, o: calls.append(o.detach().clone()))
+    try:
+        with torch.no_grad(), model.trace(IDS):
+            first = model.layers[2].run(0).self_attn.attention_probabilities.save()
+            attention = model.layers[2].run(2).self_attn
+            values = attention.values.save()
+            probabilities = attention.attention_probabilities.save()
+    finally:
+        handle.remove()
+    assert len(calls) == 3
+    assert torch.equal(values, calls[2].view(values.shape))  # [batch, seq, kv_heads, head_dim], the third call's
+    assert probabilities.shape == (2, 4, 7, 7) and not torch.equal(first, probabilities)
+    assert torch.allclose(probabilities.sum(-1), torch.ones(2, 4, 7))
+    assert torch.equal(probabilities.triu(1), torch.zeros_like(probabilities))  # causal
+
+
+def test_inkling2_loop_refuses_a_readout_of_one_stream():
+    model, _ = make("inkling2_loop_text")
+    with pytest.raises(ReadoutUnavailable, match="final_input"):
+        model.project_on_vocab(torch.zeros(1, 3, 64))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_default_config_miniature_is_proven(case):
+    torch.manual_seed(0)
+    changes = {"dory": dict(num_hidden_layers=6, n_input_layers=1, n_output_layers=1), "hrm_text": {},
+               "inkling2_loop_text": {}}
+    config = miniature_config(CONFIG_MAPPING[case](**changes[case]))
+    model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(),
+                                    tokenizer=tiny_tokenizer(256))
+    assert max(model.runs_of(i) for i in range(model.num_layers)) > 1
+    assert all(result.exact for result in check_identity(model, IDS))
+
+
+def test_the_proof_refuses_a_schedule_that_is_not_the_models():
+    """A spec that says the looped blocks run once, or twice, while the model runs them three times: a run's values
+    would be another call's, so the proof names the blocks, from the calls it counts with hooks."""
+    import dataclasses
+
+    from nnterp.validation import problems_of
+
+    model, _ = make()
+    assert problems_of(model) == []
+    right = model._nnterp_family
+    for schedule in (lambda config: tuple(range(5)), lambda config: (0, 1, 2, 3, 1, 2, 3, 4)):
+        model._nnterp_family = dataclasses.replace(right, schedule=schedule)
+        model._nnterp_schedule = schedule_of(model._nnterp_family, model._nnterp_text_config, 5)
+        problems = problems_of(model)
+        assert problems and all("runs 3 times in a pass, not once per run" in p for p in problems)
+        assert {p.split(":")[0] for p in problems} == {"layer 1", "layer 2", "layer 3"}
