@@ -19,7 +19,6 @@ CATEGORIES: dict[str, str] = {
                     "third sublayer with no standard name.",
     "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
                    "tensor): no residual identity holds.",
-    "new shape: streams": "Needs a new shape: several residual streams, or streams that mix earlier blocks' outputs.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
 }
@@ -40,8 +39,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
     "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
-    "reformer": ("new shape: streams", "reversible residuals over two half streams, y1 = x1 + attention(x2), "
-                                       "y2 = x2 + feed_forward(y1), passed between blocks as two tensors"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

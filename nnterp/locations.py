@@ -48,6 +48,18 @@ class At:
     ``streams_first`` views a stream the model stacks as ``[streams, batch, seq, hidden]`` (Gemma-3n's
     AltUp) as ``[batch, seq, streams, hidden]``, the layout of other parallel streams: a permuted view
     of the same storage, so in-place edits are the model's and an assignment is permuted back.
+    ``count`` names the block's keyword argument that says how many positions are tokens, where the model
+    pads the stream after them (Reformer pads it to a multiple of its chunk length): the value is viewed
+    without the padding, as ``prefix`` views it without prepended positions. The count is read from the
+    block's input before the block's first value, once per pass (``token_count``).
+    ``join`` reads the value as several elements of this same boundary (each an ``At`` of this path and
+    side naming its own ``index``, or ``arg`` / ``kwarg``) side by side along the last dimension, where
+    the model passes the stream between its blocks in parts (Reformer's two halves, which only its final
+    norm sees concatenated). The reader gets a new tensor, the parts joined (viewed without the padding,
+    with ``count``): when the trace moves on, the model's parts are swapped for slices of the joined tensor,
+    so in-place edits of the value, then or later in the trace, reach the model, as they do on a stream
+    held as one tensor (gradients reach the joined tensor, not a view of it); an assignment replaces each
+    part by its slice.
     """
 
     path: str
@@ -63,6 +75,8 @@ class At:
     heads_first: bool = False
     prefix: int = 0
     streams_first: bool = False
+    count: str = ""
+    join: tuple[At, ...] = ()
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
@@ -71,6 +85,14 @@ class At:
             raise ValueError("prefix views [batch, seq, ...]: it does not combine with unflatten or heads_first")
         if self.streams_first and (self.prefix or self.unflatten or self.heads_first or self.heads):
             raise ValueError("streams_first views a whole stacked stream: it does not combine with other views")
+        if self.count and (self.prefix or self.unflatten or self.heads_first):
+            raise ValueError("count views [batch, seq, ...] without trailing padding: it does not combine with "
+                             "prefix, unflatten or heads_first")
+        if self.join and (self.heads or self.unflatten or self.heads_first or self.shared or self.copy):
+            raise ValueError("join reads a new tensor: it does not combine with per-head views, shared or copy")
+        if any((part.path, part.side, part.op) != (self.path, self.side, self.op) or part._derived
+               for part in self.join):
+            raise ValueError("the parts of a join are plain elements of the same boundary")
 
     def describe(self) -> str:
         text = self.path or "<block>"
@@ -80,6 +102,9 @@ class At:
             text += ".output" + (f"[{self.index}]" if self.index else "")
         else:
             text += ".input" + (f"[{self.arg}]" if self.arg else "")
+        if self.join:
+            parts = (f"[{part.index}]" if self.side == "output" else part.kwarg for part in self.join)
+            text += f" ({', '.join(parts)} joined along the last dimension)"
         if self.heads:
             text += " (viewed per head)"
         if self.unflatten:
@@ -90,6 +115,8 @@ class At:
             text += " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
         if self.prefix:
             text += f" (without the {self.prefix} positions the model prepends to the tokens)"
+        if self.count:
+            text += f" (its first {self.count} positions: without the padding the model adds after the tokens)"
         if self.copy:
             text += " (a copy, swapped back: the block uses this tensor for more than this value)"
         if self.shared:
@@ -117,6 +144,8 @@ class At:
     # -- reading and writing inside a trace -----------------------------------------------
     def _element(self, raw):
         """This location's tensor in what the module (or operation) gives: an output, or ``(args, kwargs)``."""
+        if self.join:
+            return torch.cat([part._element(raw) for part in self.join], dim=-1)
         if self.side == "output":
             return raw[self.index] if isinstance(raw, tuple) else raw
         args, kwargs = raw
@@ -129,7 +158,7 @@ class At:
         return self._element(self._container(envoy))
 
     def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
-        shape = self._token_shape(shape)
+        shape = self._token_shape(shape, block_envoy)
         if self.unflatten:
             shape = (*leading_shape(block_envoy), shape[-1])
         if self.heads:  # [batch, seq, (groups,) width] -> [batch, seq, heads, head_dim]
@@ -137,8 +166,10 @@ class At:
             shape = (*shape[:2], num_heads, width // num_heads)
         return tuple(shape)
 
-    def _token_shape(self, shape) -> tuple[int, ...]:
-        """The model's tensor's shape without the prepended positions."""
+    def _token_shape(self, shape, block_envoy) -> tuple[int, ...]:
+        """The model's tensor's shape without the prepended positions, or the padding after the tokens."""
+        if self.count:
+            return (shape[0], token_count(block_envoy, self.count), *shape[2:])
         if not self.prefix:
             return tuple(shape)
         if len(shape) < 3 or shape[1] <= self.prefix:
@@ -150,25 +181,34 @@ class At:
         shape = self._view_shape(block_envoy, tensor.shape, num_heads)
         if self.prefix:  # a slice: the same storage, so edits in place are the model's
             tensor = tensor[:, self.prefix :]
+        if self.count:
+            tensor = tensor[:, : shape[1]]
         if self.heads or self.unflatten:
             tensor = tensor.view(shape)
         if self.streams_first:
             return tensor.movedim(0, 2)
         return tensor.transpose(1, 2) if self.heads_first else tensor
 
-    def _with_prefix(self, tensor, tokens):
-        """The model's tensor: its prepended positions, then ``tokens`` (a new tensor, derived from ``tokens``)."""
-        return torch.cat((tensor[:, : self.prefix], tokens), dim=1) if self.prefix else tokens
+    def _with_others(self, tensor, tokens):
+        """The model's tensor: its prepended positions, then ``tokens``, then its padding (a new tensor, derived
+        from ``tokens``, where the model's has positions that are not tokens)."""
+        if self.prefix:
+            return torch.cat((tensor[:, : self.prefix], tokens), dim=1)
+        if self.count and tokens.shape[1] < tensor.shape[1]:
+            return torch.cat((tokens, tensor[:, tokens.shape[1] :]), dim=1)
+        return tokens
 
     @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
-        return self.copy or self.heads or self.unflatten or self.heads_first or self.streams_first or bool(self.prefix)
+        return (self.copy or self.heads or self.unflatten or self.heads_first or self.streams_first or bool(self.prefix)
+                or bool(self.count) or bool(self.join))
 
     def read(self, block_envoy, num_heads: int, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
-        # a view needs handing back only for gradients (edits in place reach the model through the storage)
-        if not (self.copy or (self._derived and torch.is_grad_enabled())):
+        # a view needs handing back only for gradients (edits in place reach the model through the storage); a
+        # copy or a join always
+        if not (self.copy or self.join or (self._derived and torch.is_grad_enabled())):
             return self._view(self._raw(envoy), block_envoy, num_heads)
         from nnsight.intervention.eproperty import WriteBack
         from nnsight.intervention.interleaver import Mediator
@@ -183,10 +223,15 @@ class At:
         def back():
             # What the model goes on with is derived from the reader's tensor, so gradients reach it and
             # edits made to it in place are the model's (a copy hands on a copy of itself: the model may
-            # change what it is handed in place, and the reader's copy must not see that).
+            # change what it is handed in place, and the reader's copy must not see that). A joined value
+            # views the joined tensor (padding included): the model goes on with slices of that tensor, so
+            # edits of the reader's value, now or later in the trace, are the model's.
+            if self.join:
+                return self._replaced(raw, tensor)
             model_side = value.transpose(1, 2) if self.heads_first else value.movedim(2, 0) if self.streams_first else value
-            model_side = model_side.view(self._token_shape(tensor.shape)) if (self.heads or self.unflatten) else model_side
-            model_side = self._with_prefix(tensor, model_side.clone() if self.copy else model_side)
+            model_side = (model_side.view(self._token_shape(tensor.shape, block_envoy)) if (self.heads or self.unflatten)
+                          else model_side)
+            model_side = self._with_others(tensor, model_side.clone() if self.copy else model_side)
             return self._replaced(raw, model_side)
 
         # swapped in when the trace next asks the model for anything (nnsight's write-back of a view)
@@ -194,9 +239,20 @@ class At:
         return value
 
     def _replaced(self, raw, tensor):
-        """``raw`` (an output, or ``(args, kwargs)``) with this location's tensor replaced by ``tensor``."""
+        """``raw`` (an output, or ``(args, kwargs)``) with this location's tensor replaced by ``tensor`` (a joined
+        value's parts by their slices of it). A named tuple stays one: the model reads its fields by name."""
+        if self.join:
+            start = 0
+            for part in self.join:
+                width = part._element(raw).shape[-1]
+                raw = part._replaced(raw, tensor[..., start : start + width])
+                start += width
+            return raw
         if self.side == "output":
-            return (*raw[: self.index], tensor, *raw[self.index + 1 :]) if isinstance(raw, tuple) else tensor
+            if not isinstance(raw, tuple):
+                return tensor
+            items = (*raw[: self.index], tensor, *raw[self.index + 1 :])
+            return type(raw)._make(items) if hasattr(raw, "_make") else items
         args, kwargs = raw
         if len(args) > self.arg:
             return (*args[: self.arg], tensor, *args[self.arg + 1 :]), kwargs
@@ -232,13 +288,13 @@ class At:
         elif self.streams_first:
             value = value.movedim(2, 0)
         else:
-            value = value.reshape(self._token_shape(current.shape))
+            value = value.reshape(self._token_shape(current.shape, block_envoy))
         if self.shared:
-            current[:, self.prefix :].copy_(value)  # the prepended positions stay the model's
+            current[:, self.prefix : self.prefix + value.shape[1]].copy_(value)  # other positions stay the model's
         elif self.side == "output":
-            envoy.output = self._replaced(envoy.output, self._with_prefix(current, value))
+            envoy.output = self._replaced(envoy.output, self._with_others(current, value))
         else:
-            envoy.inputs = self._replaced(envoy.inputs, self._with_prefix(current, value))
+            envoy.inputs = self._replaced(envoy.inputs, self._with_others(current, value))
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:
@@ -257,6 +313,21 @@ def leading_shape(block_envoy) -> tuple[int, ...]:
         hidden = args[0] if args else kwargs["hidden_states"]
         shapes[step] = tuple(hidden.shape[:-1])
     return shapes[step]
+
+
+def token_count(block_envoy, kwarg: str) -> int:
+    """How many positions of the stream are tokens in this forward pass, where the model pads it after them: the
+    block's keyword argument ``kwarg``, read from the block's input before its first value and kept per visit of the
+    block. A visit is the occurrence of the block's output that a request made now asks for: the same for every
+    value of the block in one pass, through a generation step's pin and its relaxing after the first value."""
+    from nnsight.intervention.interleaver import Mediator
+
+    mediator = Mediator.current("the stream's token count")
+    counts = mediator.__dict__.setdefault("_nnterp_token_count", {})
+    visit = (block_envoy.path, mediator.wanted(f"{block_envoy.path}.output"))
+    if visit not in counts:
+        counts[visit] = int(block_envoy.inputs[1][kwarg])
+    return counts[visit]
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ SIZES = {
     "lru_width": HEADS * HEAD_DIM,  # Griffin's recurrence width, split in blocks between the heads
     "moe_shared_expert_intermediate_size": 32,  # Nemotron-H's shared experts
     "dim_ff": 64, "dim_head": HEAD_DIM,  # CPM-Ant's MLP and heads
+    "feed_forward_size": 64, "attention_head_size": HEAD_DIM,  # Reformer's MLP and heads,
+    "lsh_attn_chunk_length": 4, "local_attn_chunk_length": 2,  # and chunks the proof's tokens span (it pads them)
 }
 # a recurrent model (no attention heads): its stream shrinks alone, and so do its mixers' own sizes
 RECURRENT_SIZES = {"state_size": 8, "time_step_rank": 4, "chunk_size": 16, "attention_hidden_size": HEADS * HEAD_DIM}
@@ -124,6 +126,13 @@ def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     if heads and hidden and width:  # Zamba's shared transformer reads the stream and the embeddings side by side
         config.attention_hidden_size = width // hidden * config.hidden_size
         _set(config, "attention_head_dim", config.attention_hidden_size // HEADS)
+    axial = getattr(config, "axial_pos_embds_dim", None)
+    if heads and hidden and axial:  # Reformer's axial position embeddings split the stream's width: in proportion
+        dims = [max(1, d * config.hidden_size // hidden) for d in axial[:-1]]
+        config.axial_pos_embds_dim = (*dims, config.hidden_size - sum(dims))
+    for name in ("chunk_size_feed_forward", "chunk_size_lm_head"):  # chunked along the sequence: by one position, so
+        if getattr(config, name, None):  # that every length divides (the model refuses the others)
+            setattr(config, name, 1)
     if getattr(config, "mamba_headdim", None) and getattr(config, "n_mamba_heads", None):  # Zamba2's Mamba-2 heads
         config.mamba_headdim = config.mamba_expand * config.hidden_size // config.n_mamba_heads
     if getattr(config, "mamba_n_heads", None):  # Mamba-2 heads split mamba_expand * hidden_size between them

@@ -20,7 +20,7 @@ from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
 from .errors import NNterpError, ReadoutUnavailable, RunNotChosen, UnknownArchitecture, ValueUnavailable
 from .families import BY_MODEL_TYPE, Block, Family, family_of
-from .locations import At, SameAs, Unavailable, leading_shape
+from .locations import At, SameAs, Unavailable, leading_shape, token_count
 from .selection import layer_ranges
 
 
@@ -241,6 +241,11 @@ class StandardizedTransformer(TransformersModel):
         self._nnterp_prefixed = self._some_value_viewed("prefix")
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
         self._nnterp_flattens = self._some_value_viewed("unflatten")
+        # a model that pads the stream after the tokens (Reformer) passes its blocks how many positions are tokens:
+        # the keyword argument, read from a block's input before the block's first value in a pass
+        self._nnterp_counted = next((location.count for block in self._nnterp_blocks
+                                     for location in block.values.values()
+                                     if isinstance(location, At) and location.count), "")
         if validate and not validated:
             validated = proof.validate(model.config, type(model), tokenizer, StandardizedTransformer)
         # from the validated miniature (same architecture, same names) when there is one
@@ -568,7 +573,7 @@ class StandardizedTransformer(TransformersModel):
         """Before the first value of a forward pass (per invoke and generation step): instrument the modules
         read through ``.source`` (nnsight instruments a module when it is first asked, for the calls that
         start after that: a fresh server model included), and read ``[batch, seq]`` where a block flattens
-        the stream."""
+        the stream, or how many of its positions are tokens where the model pads it."""
         if self._nnterp_sourced:
             mediator = Mediator.current("a standard value")
             if not mediator.__dict__.get("_nnterp_sourced"):
@@ -577,6 +582,8 @@ class StandardizedTransformer(TransformersModel):
                 mediator._nnterp_sourced = True
         if self._nnterp_flattens:
             leading_shape(block)
+        if self._nnterp_counted:
+            token_count(block, self._nnterp_counted)
         if self._nnterp_prefixed:
             self._refuse_a_cached_pass()
 

@@ -20,6 +20,7 @@ from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
 from .test_prompt_prefix import CASES as PROMPT_PREFIX_CASES
 from .test_recurrent import CASES as RECURRENT_CASES
+from .test_reformer import CASES as REFORMER_CASES
 from .test_streams import SERVED as STREAM_TYPES
 from .test_topology import CASES as TOPOLOGY_CASES
 
@@ -57,6 +58,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= {model_type for model_type, *_ in LOOPED_CASES.values()}  # test_looped.py
     cased |= {model_type for model_type, *_ in GEMMA3N_CASES.values()}  # test_gemma3n.py
     cased |= {model_type for model_type, *_ in INKLING2_CASES.values()}  # test_inkling2.py
+    cased |= {model_type for model_type, *_ in REFORMER_CASES.values()}  # test_reformer.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)

@@ -67,6 +67,7 @@ from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
 from .qwen4_exp import QWEN4_EXP
 from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, NEMOTRON_H, RWKV, XLSTM
+from .reformer import REFORMER
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
 from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
@@ -93,6 +94,7 @@ FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_pr
 FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs several times per pass (tests/test_looped.py)
 FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_gemma3n.py)
 FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/test_inkling2.py)
+FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/test_reformer.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
