@@ -126,7 +126,7 @@ def family_page(family: Family) -> str:
              "## Modules", "", "| standard name | module |", "|---|---|",
              f"| `layers` | {' then '.join(f'`{path}`' for path in family.block_lists)} |",
              f"| `embed_tokens` | `{family.embed_tokens}` |",
-             f"| `ln_final` | `{family.ln_final}` |", f"| `lm_head` | `{family.lm_head}` |",
+             f"| `ln_final` | {f'`{family.ln_final}`' if family.ln_final else 'none: the head reads the last block output'} |", f"| `lm_head` | `{family.lm_head}` |",
              f"| `layers[i].self_attn` | {_attention_module(family)} |",
              f"| `layers[i].mlp` | {_mlp_module(family, found)} |", ""]
     if family.schedule:
@@ -187,7 +187,7 @@ def names_page() -> str:
              "| `model.layers[i].mlp` | block i's MLP module (the block itself where the MLP has no module, OPT; "
              "a recurrent block without one has none: `model.availability(i)` says why) |",
              "| `model.embed_tokens` | the token embedding |",
-             "| `model.ln_final` | the final norm |",
+             "| `model.ln_final` | the final norm (absent where the head reads the last block's output) |",
              "| `model.lm_head` | the head |",
              "| `model.logits` | the output logits `[batch, seq, vocab]` |",
              "| `model.next_token_probs` | the softmax of the last position's logits `[batch, vocab]` |",

@@ -27,7 +27,7 @@ class At:
     ``path`` is relative to the block ("" is the block itself). ``op`` names an operation of
     that module's forward as nnsight's ``.source`` labels it, dotted to reach into a called
     function (``"attention_interface_1.torch_matmul_1"``). An ``"output"`` is the return value,
-    or its element ``index`` when it is a tuple. An ``"input"`` is positional argument ``arg``,
+    or its element ``index`` when it is a tuple (or a list). An ``"input"`` is positional argument ``arg``,
     or keyword ``kwarg`` when it was passed by keyword.
 
     Views, all pure tensor steps: ``heads`` views the last dimension as ``[num_heads, head_dim]``;
@@ -147,7 +147,7 @@ class At:
         if self.join:
             return torch.cat([part._element(raw) for part in self.join], dim=-1)
         if self.side == "output":
-            return raw[self.index] if isinstance(raw, tuple) else raw
+            return raw[self.index] if isinstance(raw, (tuple, list)) else raw
         args, kwargs = raw
         return args[self.arg] if len(args) > self.arg else kwargs[self.kwarg]
 
@@ -240,7 +240,8 @@ class At:
 
     def _replaced(self, raw, tensor):
         """``raw`` (an output, or ``(args, kwargs)``) with this location's tensor replaced by ``tensor`` (a joined
-        value's parts by their slices of it). A named tuple stays one: the model reads its fields by name."""
+        value's parts by their slices of it). A named tuple stays one: the model reads its fields by name; a list
+        (OpenAI GPT's blocks return one) is rebuilt as a list."""
         if self.join:
             start = 0
             for part in self.join:
@@ -249,9 +250,11 @@ class At:
                 start += width
             return raw
         if self.side == "output":
-            if not isinstance(raw, tuple):
+            if not isinstance(raw, (tuple, list)):
                 return tensor
             items = (*raw[: self.index], tensor, *raw[self.index + 1 :])
+            if isinstance(raw, list):
+                return list(items)
             return type(raw)._make(items) if hasattr(raw, "_make") else items
         args, kwargs = raw
         if len(args) > self.arg:

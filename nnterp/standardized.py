@@ -270,7 +270,8 @@ class StandardizedTransformer(TransformersModel):
         lines = [tree, "",
                  f"Standard names ({family.name} family, {self.num_layers} blocks):",
                  f"  model.layers[i] = {' then '.join(f'{path}[i]' for path in family.block_lists)}",
-                 f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = {family.ln_final},  "
+                 f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = "
+                 f"{family.ln_final or 'none (the head reads the last block output)'},  "
                  f"model.lm_head = {family.lm_head}"
                  + (f" (then {family.vocab_projection}, the projection on the vocabulary)" if family.vocab_projection else "")]
         groups: dict[tuple, list[int]] = {}
@@ -285,6 +286,13 @@ class StandardizedTransformer(TransformersModel):
             if unavailable:
                 lines.append(f"    unavailable (model.availability({layers[0]}) says why): {', '.join(unavailable)}")
         return "\n".join(lines)
+
+    def __getattr__(self, name: str):
+        family = self.__dict__.get("_nnterp_family")
+        if name == "ln_final" and family is not None and family.ln_final is None:
+            raise AttributeError(f"{family.name} has no final norm: its head reads the last block's output directly, "
+                                 "so model.ln_final does not exist (model.project_on_vocab(h) is model.lm_head(h)).")
+        return TransformersModel.__getattr__(self, name)  # explicit: the class travels by value
 
     # -- model-level names --------------------------------------------------------------
     @property
@@ -353,12 +361,15 @@ class StandardizedTransformer(TransformersModel):
         self.refuse_unreadable_stream()
         if family.stream_readout:
             hidden = self._module.get_submodule(family.stream_readout)(hidden)
-        norm_weight = getattr(self.ln_final._module, "weight", None)
-        if family.before_final_norm:
-            hidden = family.before_final_norm(hidden, self._module)
-        elif norm_weight is not None and hidden.dtype != norm_weight.dtype:
-            hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
-        normed = self.ln_final(hidden)
+        if family.ln_final is None:  # no final norm: the head reads the last block's output (OpenAI GPT)
+            normed = hidden
+        else:
+            norm_weight = getattr(self.ln_final._module, "weight", None)
+            if family.before_final_norm:
+                hidden = family.before_final_norm(hidden, self._module)
+            elif norm_weight is not None and hidden.dtype != norm_weight.dtype:
+                hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
+            normed = self.ln_final(hidden)
         if family.head_input_transform:
             normed = family.head_input_transform(normed, self._module.config)
         head_weight = getattr(self.lm_head._module, "weight", None)

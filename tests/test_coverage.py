@@ -18,6 +18,7 @@ from .test_looped import CASES as LOOPED_CASES
 from .test_multimodal import CASES as MULTIMODAL_CASES
 from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
+from .test_openai_gpt import CASES as OPENAI_GPT_CASES
 from .test_prompt_prefix import CASES as PROMPT_PREFIX_CASES
 from .test_recurrent import CASES as RECURRENT_CASES
 from .test_reformer import CASES as REFORMER_CASES
@@ -59,6 +60,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= {model_type for model_type, *_ in GEMMA3N_CASES.values()}  # test_gemma3n.py
     cased |= {model_type for model_type, *_ in INKLING2_CASES.values()}  # test_inkling2.py
     cased |= {model_type for model_type, *_ in REFORMER_CASES.values()}  # test_reformer.py
+    cased |= {model_type for model_type, *_ in OPENAI_GPT_CASES.values()}  # test_openai_gpt.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)

@@ -62,6 +62,7 @@ from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
 from .multimodal import MULTIMODAL
+from .openai_gpt import OPENAI_GPT
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
@@ -95,6 +96,7 @@ FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs sev
 FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_gemma3n.py)
 FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/test_inkling2.py)
 FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/test_reformer.py)
+FAMILIES += (OPENAI_GPT,)  # post-norm blocks, no final norm (tests/test_openai_gpt.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {

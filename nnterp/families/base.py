@@ -70,7 +70,7 @@ class Family:
     model_types: tuple[str, ...]
     layers: str  # the ModuleList of blocks, from the *ForCausalLM root
     embed_tokens: str
-    ln_final: str
+    ln_final: str | None  # the final norm; None where the head reads the last block's output directly (OpenAI GPT)
     attention: str | None  # the attention module, relative to a block; None where no block has one (recurrent)
     # the MLP module, relative to a block; None where its layers sit on the block (OPT), or where no block has an
     # MLP (a block with no MLP has its MLP values unavailable: then ``layers[i].mlp`` is, with their reason).
@@ -141,7 +141,7 @@ class Family:
         names: dict[str | type, str | list[str]] = {
             self.layers: "layers",
             self.embed_tokens: "embed_tokens",
-            self.ln_final: "ln_final",
+            **({self.ln_final: "ln_final"} if self.ln_final else {}),
             **({self.attention: "self_attn"} if self.attention and not shared else {}),
             self.lm_head: "lm_head",
             **({self.mlp: "mlp"} if self.mlp and not shared else {}),
