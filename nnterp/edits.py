@@ -41,8 +41,8 @@ def skip_layers(model, start: int, end: int | None = None, stream: torch.Tensor 
     """Inside a trace: make blocks ``start`` to ``end`` (inclusive) identities on the stream.
 
     Block ``end + 1`` receives block ``start``'s input (or ``stream``, when given). Works on
-    families whose blocks return a tuple: the skipped block hands on the stream in the tuple the
-    next block expects.
+    families whose blocks return a tuple (or a list): the skipped block hands on the stream in the
+    container the next block expects (``Family.skip_output``).
     """
     end = start if end is None else end
     start, end = (layer_indices(model, [layer])[0] for layer in (start, end))

@@ -8,6 +8,7 @@ the blocks' norm weights. The head reads the last block's output directly.
 
 from __future__ import annotations
 
+import nnsight
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nnterp import StandardizedTransformer
+from nnterp.attention import head_outputs
 from nnterp.edits import skip_layers
 from nnterp.families import BY_MODEL_TYPE
 from nnterp.lens import logit_lens
@@ -238,6 +240,10 @@ def test_the_attention_internals_are_the_split_projection_and_its_softmax():
     assert torch.allclose(scores, raw * causal - 1e4 * (1 - causal), atol=1e-5)
     assert torch.equal(probabilities, scores.softmax(-1))
     assert torch.allclose(torch.matmul(probabilities, v.transpose(1, 2)).transpose(1, 2), premix, atol=1e-6)
+    with torch.no_grad(), model.trace(IDS):  # each head through the Conv1D output projection, summed: the output
+        per_head = head_outputs(model, 1).save()
+        output = model.layers[1].self_attn.attention_output.save()
+    assert torch.allclose(per_head.sum(2) + attn.c_proj.bias, output, atol=1e-6)
 
 
 def test_the_default_config_miniature_is_proven():
@@ -246,3 +252,18 @@ def test_the_default_config_miniature_is_proven():
     model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(),
                                     tokenizer=tiny_tokenizer(256))  # validate=True: proven on its miniature
     assert all(result.exact for result in check_identity(model))
+
+
+def test_generation_matches_the_plain_model_and_reads_every_step():
+    """No cache: each step runs the whole sequence again, and the blocks' list outputs are read at every step."""
+    model, hf_model = make()
+    prompt = IDS[:1]
+    with torch.no_grad():
+        want = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    with torch.no_grad(), model.generate(prompt, max_new_tokens=3, do_sample=False) as tracer:
+        outputs = nnsight.save([])
+        for _ in tracer.iter[0:3]:
+            outputs.append(model.layers[-1].layer_output)
+        out = tracer.result.save()
+    assert torch.equal(out, want)
+    assert [tuple(o.shape) for o in outputs] == [(1, 7 + step, model.hidden_size) for step in range(3)]

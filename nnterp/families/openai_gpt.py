@@ -49,8 +49,12 @@ def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return type(norm).forward(norm, x)
 
 
+def _mid(t, block):
+    return _native(block.ln_1, t["layer_input"] + t["attention_output"])
+
+
 def _post_norm(t, block):
-    return _native(block.ln_2, _native(block.ln_1, t["layer_input"] + t["attention_output"]) + t["mlp_output"])
+    return _native(block.ln_2, _mid(t, block) + t["mlp_output"])
 
 
 def _block(config, i):
@@ -75,7 +79,8 @@ def _block(config, i):
             "layer_output": output("", index=0),
         },
         formula=FORMULA,
-        combine=lambda t, block: _post_norm(t, block),
+        combine=_post_norm,
+        mid=_mid,  # the proof checks layer_mid is ln_1's output of the first add
     )
 
 
