@@ -31,8 +31,9 @@ class Block:
     ``extra`` tensors, read like values) in the order the model's code adds them.
     ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
     is exact, else the documented rounding (in ulps of the block's dtype).
-    ``mid(terms)`` recomputes ``layer_mid`` from the values, where the formula's first add does not
-    say it (a cast before the add; a block whose stream restarts: the token mixer's output alone).
+    ``mid(terms, block_module)`` recomputes ``layer_mid`` from the values, where the formula's first add does
+    not say it (a cast before the add; a block whose stream restarts: the token mixer's output alone; a stream
+    moved towards the attention's output rather than added to).
     """
 
     values: dict[str, Location]
@@ -40,7 +41,7 @@ class Block:
     combine: Callable[[Terms, torch.nn.Module], torch.Tensor]
     extra: dict[str, At] = field(default_factory=dict)
     ulps: int = 0
-    mid: Callable[[Terms], torch.Tensor] | None = None
+    mid: Callable[[Terms, torch.nn.Module], torch.Tensor] | None = None
 
     def __post_init__(self):
         if "mixer_output" not in self.values:  # a block whose token mixer is its attention

@@ -36,10 +36,13 @@ def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return type(norm).forward(norm, x)
 
 
-def _interpolated(block, t):
+def _mid(t, block):
     n1 = _native(block.input_layernorm, t["layer_input"])
-    mid = n1 + (block.lambda_1 * block.lambda_scale).abs() * (t["attention_output"] - n1)
-    n2 = _native(block.pre_feedforward_layernorm, mid)
+    return n1 + (block.lambda_1 * block.lambda_scale).abs() * (t["attention_output"] - n1)
+
+
+def _interpolated(block, t):
+    n2 = _native(block.pre_feedforward_layernorm, _mid(t, block))
     return n2 + (block.lambda_2 * block.lambda_scale).abs() * (t["mlp_output"] - n2)
 
 
@@ -60,6 +63,7 @@ def _dory_block(config, i):
         },
         formula=FORMULA,
         combine=lambda t, block: _interpolated(block, t),
+        mid=_mid,
     )
 
 

@@ -79,11 +79,11 @@ def _block(config, i):
     if restarts:
         return Block(values=base.values, formula=RESTART,
                      combine=lambda t, _: (t["attention_output"].float() + t["mlp_output"]).to(t["layer_input"].dtype),
-                     mid=lambda t: t["mixer_output"].float())
+                     mid=lambda t, _: t["mixer_output"].float())
     return Block(values=base.values, formula=FORMULA,
                  combine=lambda t, _: ((t["layer_input"].float() + t["attention_output"].float())
                                        + t["mlp_output"]).to(t["layer_input"].dtype),
-                 mid=lambda t: t["layer_input"].float() + t["mixer_output"].float())
+                 mid=lambda t, _: t["layer_input"].float() + t["mixer_output"].float())
 
 
 INKLING2 = Family(
