@@ -38,7 +38,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                              "pegasus", "plbart", "trocr", "whisper")},
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
     "openai-gpt": ("no identity", "post-norm: n = LN(x + a), y = LN(n + m)"),
-    "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

@@ -197,7 +197,8 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
         handle.remove()
 
 
-@pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_output", "layer_input", "layer_output"])
+@pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_input", "mlp_output", "layer_input",
+                                  "layer_output"])
 @pytest.mark.parametrize("case", CASES)
 def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name):
     model, hf_model = make(case)
@@ -206,6 +207,10 @@ def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name)
     module = block.get_submodule(path) if path else block
     def edit(t):  # in place, as the trace's edit: where the block keeps using the tensor (its residual), it sees it
         return t.copy_(t * 0.5 + 0.25)
+
+    if name == "mlp_input":  # what the MLP is called with, for the MLP alone: the hook hands the MLP a new tensor
+        def edit(t):
+            return t * 0.5 + 0.25
 
     expected = run_with_hook(hf_model, module, side, 1, edit)
     with torch.no_grad(), model.trace(IDS):

@@ -272,12 +272,12 @@ def test_a_hybrid_runs_remotely_bit_exactly(model_type, checkpoints, requests):
 
 @pytest.mark.parametrize("model_type", ["recurrent_gemma", "falcon_h1", "gpt_neox_japanese", "granitemoeshared",
                                         "qwen4_exp_text", "got_ocr2", "zamba2", "mamba", "reformer",
-                                        "gemma3n_text", "inkling2_text"])
+                                        "gemma3n_text", "inkling2_text", "minimax"])
 def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requests):
     """Values read at operations inside a block's code (Falcon-H1's scaled attention, GPT-NeoX-Japanese's bias add,
     Granite's summed mixture), an attention found by its class (RecurrentGemma), a widened stream (Qwen4-Exp), a
-    stream passed in two halves and padded (Reformer) and a decoder under a multimodal model (GOT-OCR2): every value
-    and edit, locally and on the plain server model."""
+    stream passed in two halves and padded (Reformer), a decoder under a multimodal model (GOT-OCR2) and adds from the
+    normed stream scaled by factors (MiniMax): every value and edit, locally and on the plain server model."""
     folder = checkpoints / model_type
     build_tiny(BY_MODEL_TYPE[model_type].tiny_config()).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)

@@ -55,7 +55,9 @@ def _dory_block(config, i):
             "attention_output": output("post_attention_layernorm"),
             "layer_mid": input("pre_feedforward_layernorm"),
             "mlp_norm_output": output("pre_feedforward_layernorm"),
-            "mlp_input": input("mlp"),
+            # the normed stream is also the base the MLP's interpolation starts from: mlp_input is read as a copy swapped
+            # in for the MLP alone, so an edit of it is the MLP's (an edit of mlp_norm_output reaches both)
+            "mlp_input": input("mlp", copy=True),
             "mlp_activation": output("mlp.act_fn"),
             "mlp_neurons": input("mlp.down_proj"),
             "mlp_output": output("post_feedforward_layernorm"),
