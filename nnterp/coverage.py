@@ -17,8 +17,6 @@ CATEGORIES: dict[str, str] = {
                "the residual adds, so no residual identity holds.",
     "decoder half": "The decoder half of an encoder-decoder: its blocks cross-attend to an encoder's output, a "
                     "third sublayer with no standard name.",
-    "no identity": "A decoder whose norms come after the residual adds (or whose stream restarts from a normed "
-                   "tensor): no residual identity holds.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
 }
@@ -37,7 +35,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     **{t: _SEQ2SEQ for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                              "pegasus", "plbart", "trocr", "whisper")},
     "prophetnet": ("decoder half", "a decoder with n-gram prediction streams and cross-attention"),
-    "minimax": ("no identity", "DeepNorm-style adds from the normed input, with alpha/beta factors"),
     "gemma3n": ("package", "Gemma3nForConditionalGeneration needs timm and Pillow"),
     "blt": ("multimodal", "a byte latent transformer: patcher, local encoder and decoder with cross-attention"),
     "git": ("multimodal", "an image encoder with a BERT-style text decoder"),

@@ -301,21 +301,30 @@ class At:
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:
-    """``[batch, seq]`` of the stream in this forward pass, read from the block's input once per pass.
+    """``[batch, seq]`` of the stream in this forward pass, read from the block's input once per visit of the block.
 
-    Kept on nnsight's mediator (one per invoke and trace), per generation step, so later values
-    of the pass reuse it instead of asking for an input the model already ran past.
+    Kept on nnsight's mediator (one per invoke and trace), per visit, so later values of the visit reuse it
+    instead of asking for an input the model already ran past. A visit is the occurrence of the block's output a
+    request made now asks for (``visit``): the same for every value of the block in one pass, through a generation
+    step's pin and its relaxing after the step's first value.
     """
     from nnsight.intervention.interleaver import Mediator
 
     mediator = Mediator.current("the stream's [batch, seq]")
     shapes = mediator.__dict__.setdefault("_nnterp_leading_shape", {})
-    step = mediator.iteration
-    if step not in shapes:
+    key = visit(mediator, block_envoy)
+    if key not in shapes:
         args, kwargs = block_envoy.inputs
         hidden = args[0] if args else kwargs["hidden_states"]
-        shapes[step] = tuple(hidden.shape[:-1])
-    return shapes[step]
+        shapes[key] = tuple(hidden.shape[:-1])
+    return shapes[key]
+
+
+def visit(mediator, block_envoy) -> tuple[str, int]:
+    """(the block, which of its calls): the occurrence of the block's output a request made now asks for. Keyed by
+    it, what a block's values share in one call (its [batch, seq]) is read once per call: a generation step, or a
+    run of a looped block."""
+    return block_envoy.path, mediator.wanted(f"{block_envoy.path}.output")
 
 
 def token_count(block_envoy, kwarg: str) -> int:
@@ -327,10 +336,10 @@ def token_count(block_envoy, kwarg: str) -> int:
 
     mediator = Mediator.current("the stream's token count")
     counts = mediator.__dict__.setdefault("_nnterp_token_count", {})
-    visit = (block_envoy.path, mediator.wanted(f"{block_envoy.path}.output"))
-    if visit not in counts:
-        counts[visit] = int(block_envoy.inputs[1][kwarg])
-    return counts[visit]
+    key = visit(mediator, block_envoy)
+    if key not in counts:
+        counts[key] = int(block_envoy.inputs[1][kwarg])
+    return counts[key]
 
 
 @dataclass(frozen=True)

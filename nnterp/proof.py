@@ -241,13 +241,12 @@ def _placement_problems(model, layer: int, values, label: str) -> list[str]:
     first = next((add for add in FIRST_ADDS if block.formula.startswith(f"layer_output = {add}")), None)
     if first and "layer_mid" in values and not torch.equal(values["layer_mid"], FIRST_ADDS[first](values)):
         problems.append(f"{label}: 'layer_mid' is not {first.strip('()')} on a sequential block")
-    if block.mid and "layer_mid" in values and not torch.equal(values["layer_mid"],
-                                                                block.mid(values, model.layers[layer]._module)):
+    module = model._module.get_submodule(model.block_path(layer))
+    if block.mid and "layer_mid" in values and not torch.equal(values["layer_mid"], block.mid(values, module)):
         problems.append(f"{label}: 'layer_mid' is not what the spec's mid() computes from the values")
     if "mlp_norm_output" in values and "mlp_input" in values and not torch.equal(
             values["mlp_norm_output"], values["mlp_input"].reshape(values["mlp_norm_output"].shape)):
         problems.append(f"{label}: 'mlp_norm_output' is not what the MLP is called with ('mlp_input')")
-    module = model._module.get_submodule(model.block_path(layer))
     # the attention's own modules are not experts (on a block that has attention: the path may hold an MLP elsewhere)
     attention = model.family.attention if isinstance(block.resolve("attention_output"), At) else None
     names = [name for name, _ in (*module.named_modules(), *module.named_parameters())

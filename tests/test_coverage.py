@@ -15,6 +15,7 @@ from .test_hybrids import CASES as HYBRID_CASES
 from .test_hybrids import IMAGE_TEXT
 from .test_inkling2 import CASES as INKLING2_CASES
 from .test_looped import CASES as LOOPED_CASES
+from .test_minimax import CASES as MINIMAX_CASES
 from .test_multimodal import CASES as MULTIMODAL_CASES
 from .test_multimodal import TEXT_TYPES
 from .test_notyet import CASES as NOTYET_CASES
@@ -61,6 +62,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= {model_type for model_type, *_ in INKLING2_CASES.values()}  # test_inkling2.py
     cased |= {model_type for model_type, *_ in REFORMER_CASES.values()}  # test_reformer.py
     cased |= {model_type for model_type, *_ in OPENAI_GPT_CASES.values()}  # test_openai_gpt.py
+    cased |= {model_type for model_type, *_ in MINIMAX_CASES.values()}  # test_minimax.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)

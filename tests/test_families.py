@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import nnsight
 import pytest
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
@@ -578,3 +579,43 @@ def test_the_default_config_miniature_is_proven(model_type):
     model = StandardizedTransformer(perturb(AutoModelForCausalLM.from_config(config)).eval(), tokenizer=tiny_tokenizer(256))
     assert all(result.exact for result in check_identity(model, IDS))
     model.enable_attention_values()  # the internals proven on the miniature too
+
+
+@pytest.mark.parametrize("case", ["opt", "gpt2"])
+def test_several_values_per_generation_step_are_the_hooks_at_each_step(case):
+    """OPT reads its values through a view of the [batch * seq] stream it flattens, with [batch, seq] read once per
+    call of a block: after a step's first value nnsight follows the model step by step, and each later value of the
+    step must still be that step's (ground truth: the plain model's generate with hooks, per call)."""
+    model, hf_model, truth, *_ = make(case, torch.float32)
+    at = truth(1)
+    names = ("mlp_input", "mlp_neurons", "layer_output")
+    calls = {name: [] for name in names}
+    handles = []
+    for name in names:
+        path, side = at[name]
+        module = hf_model.base_model_blocks[1].get_submodule(path) if path else hf_model.base_model_blocks[1]
+        if side == "in":
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, name=name: calls[name].append((a[0] if a else k["hidden_states"]).clone()),
+                with_kwargs=True))
+        else:
+            handles.append(module.register_forward_hook(lambda m, a, o, name=name: calls[name].append(first(o).clone())))
+    ids = IDS[:1, :4]
+    options = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    try:
+        with torch.no_grad():
+            hf_model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad(), model.generate(ids, **options) as tracer:
+        read = nnsight.save([])
+        for _ in tracer.iter[:3]:
+            step = {"mlp_input": model.layers[1].mlp_input, "mlp_neurons": model.layers[1].mlp.mlp_neurons,
+                    "layer_output": model.layers[1].layer_output}
+            model.layers[2].layer_output.shape  # noqa: B018 - and a later block's value in the same step
+            read.append(step)
+    assert len(read) == 3
+    for n, step in enumerate(read):
+        for name in names:
+            assert torch.equal(step[name], calls[name][n].reshape(step[name].shape)), (n, name)

@@ -197,7 +197,8 @@ def run_with_hook(hf_model, module, side, call, edit, ids=IDS):
         handle.remove()
 
 
-@pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_output", "layer_input", "layer_output"])
+@pytest.mark.parametrize("name", ["attention_output", "layer_mid", "mlp_input", "mlp_output", "layer_input",
+                                  "layer_output"])
 @pytest.mark.parametrize("case", CASES)
 def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name):
     model, hf_model = make(case)
@@ -206,6 +207,10 @@ def test_an_edit_of_one_run_reaches_the_model_as_a_hook_on_that_call(case, name)
     module = block.get_submodule(path) if path else block
     def edit(t):  # in place, as the trace's edit: where the block keeps using the tensor (its residual), it sees it
         return t.copy_(t * 0.5 + 0.25)
+
+    if name == "mlp_input":  # what the MLP is called with, for the MLP alone: the hook hands the MLP a new tensor
+        def edit(t):
+            return t * 0.5 + 0.25
 
     expected = run_with_hook(hf_model, module, side, 1, edit)
     with torch.no_grad(), model.trace(IDS):
@@ -346,3 +351,22 @@ def test_the_logit_lens_reads_every_block_call_and_each_run_asked_for(case):
         logit_lens(model, "a b c", layers=[looped])
     with pytest.raises(IndexError, match="out of range"):
         logit_lens(model, "a b c", layers=[(looped, 9)])
+
+
+def test_the_proof_refuses_a_misplaced_layer_mid_on_a_block_that_moves_its_stream():
+    """Dory's layer_mid is not layer_input + attention_output: the spec says how it is made (``Block.mid``), and a
+    layer_mid read elsewhere (here: the MLP's input, of the same shape) is named by the proof."""
+    import dataclasses
+
+    from nnterp.families.base import input as at_input
+    from nnterp.validation import problems_of
+
+    model, _ = make()
+    right = model._nnterp_blocks
+    model._nnterp_blocks = tuple(dataclasses.replace(b, values={**b.values, "layer_mid": at_input("mlp")}) for b in right)
+    model._nnterp_resolved.clear()
+    problems = problems_of(model)
+    assert problems == ["layer 0: 'layer_mid' is not what the spec's mid() computes from the values"]
+    model._nnterp_blocks = right
+    model._nnterp_resolved.clear()
+    assert problems_of(model) == []

@@ -271,12 +271,13 @@ def test_a_hybrid_runs_remotely_bit_exactly(model_type, checkpoints, requests):
 
 
 @pytest.mark.parametrize("model_type", ["recurrent_gemma", "falcon_h1", "gpt_neox_japanese", "granitemoeshared",
-                                        "qwen4_exp_text", "got_ocr2", "zamba2", "mamba", "reformer"])
+                                        "qwen4_exp_text", "got_ocr2", "zamba2", "mamba", "reformer",
+                                        "gemma3n_text", "inkling2_text", "minimax"])
 def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requests):
     """Values read at operations inside a block's code (Falcon-H1's scaled attention, GPT-NeoX-Japanese's bias add,
     Granite's summed mixture), an attention found by its class (RecurrentGemma), a widened stream (Qwen4-Exp), a
-    stream passed in two halves and padded (Reformer) and a decoder under a multimodal model (GOT-OCR2): every value
-    and edit, locally and on the plain server model."""
+    stream passed in two halves and padded (Reformer), a decoder under a multimodal model (GOT-OCR2) and adds from the
+    normed stream scaled by factors (MiniMax): every value and edit, locally and on the plain server model."""
     folder = checkpoints / model_type
     build_tiny(BY_MODEL_TYPE[model_type].tiny_config()).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
@@ -294,7 +295,7 @@ def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requ
     assert requests
 
 
-@pytest.mark.parametrize("model_type", ["dory", "hrm_text"])
+@pytest.mark.parametrize("model_type", ["dory", "hrm_text", "inkling2_loop_text"])
 def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpoints, requests):
     """Dory's looped section and HRM-Text's two looped stacks: every value of every run of every block, and edits
     of runs, locally and on the plain server model (a run is chosen by pinning nnsight's occurrence, which the
@@ -304,6 +305,8 @@ def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpo
     tiny_tokenizer().save_pretrained(folder)
     huggingface._ID_CACHE[str(folder)] = str(folder)
     model = StandardizedTransformer(str(folder), attention_values=True)
+    looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
+    assert model.runs_of(looped + 1) > 1
 
     def every_run(remote):
         with torch.no_grad(), model.trace(IDS, remote=remote):
@@ -315,8 +318,8 @@ def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpo
                     saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
             saved["logits"] = model.logits
         with torch.no_grad(), model.trace(IDS, remote=remote):
-            model.layers[1].run(1).self_attn.attention_output[:] *= 0.5
-            model.layers[2].run(1).layer_input = model.layers[2].run(1).layer_input * 0.5
+            model.layers[looped].run(1).self_attn.attention_output[:] *= 0.5
+            model.layers[looped + 1].run(1).layer_input = model.layers[looped + 1].run(1).layer_input * 0.5
             edited = model.logits.save()
         return {**saved, "edited": edited}
 

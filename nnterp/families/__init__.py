@@ -58,6 +58,7 @@ from .inkling2 import INKLING2, INKLING2_LOOP
 from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
+from .minimax import MINIMAX
 from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
@@ -97,6 +98,7 @@ FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_ge
 FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/test_inkling2.py)
 FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/test_reformer.py)
 FAMILIES += (OPENAI_GPT,)  # post-norm blocks, no final norm (tests/test_openai_gpt.py)
+FAMILIES += (MINIMAX,)  # adds from the normed stream, scaled by factors (tests/test_minimax.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {

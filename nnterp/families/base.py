@@ -31,9 +31,9 @@ class Block:
     ``extra`` tensors, read like values) in the order the model's code adds them.
     ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
     is exact, else the documented rounding (in ulps of the block's dtype).
-    ``mid(terms, block_module)`` recomputes ``layer_mid`` from the values, where the formula's first add does not
-    say it (a cast before the add; a block whose stream restarts: the token mixer's output alone; a post-norm
-    block: the block's norm of the first add).
+    ``mid(terms, block_module)`` recomputes ``layer_mid`` from the values, where the formula's first add does
+    not say it (a cast before the add; a block whose stream restarts: the token mixer's output alone; a stream
+    moved towards the attention's output rather than added to; a post-norm block: the block's norm of the first add).
     """
 
     values: dict[str, Location]

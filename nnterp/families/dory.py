@@ -36,10 +36,13 @@ def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return type(norm).forward(norm, x)
 
 
-def _interpolated(block, t):
+def _mid(t, block):
     n1 = _native(block.input_layernorm, t["layer_input"])
-    mid = n1 + (block.lambda_1 * block.lambda_scale).abs() * (t["attention_output"] - n1)
-    n2 = _native(block.pre_feedforward_layernorm, mid)
+    return n1 + (block.lambda_1 * block.lambda_scale).abs() * (t["attention_output"] - n1)
+
+
+def _interpolated(block, t):
+    n2 = _native(block.pre_feedforward_layernorm, _mid(t, block))
     return n2 + (block.lambda_2 * block.lambda_scale).abs() * (t["mlp_output"] - n2)
 
 
@@ -52,7 +55,9 @@ def _dory_block(config, i):
             "attention_output": output("post_attention_layernorm"),
             "layer_mid": input("pre_feedforward_layernorm"),
             "mlp_norm_output": output("pre_feedforward_layernorm"),
-            "mlp_input": input("mlp"),
+            # the normed stream is also the base the MLP's interpolation starts from: mlp_input is read as a copy swapped
+            # in for the MLP alone, so an edit of it is the MLP's (an edit of mlp_norm_output reaches both)
+            "mlp_input": input("mlp", copy=True),
             "mlp_activation": output("mlp.act_fn"),
             "mlp_neurons": input("mlp.down_proj"),
             "mlp_output": output("post_feedforward_layernorm"),
@@ -60,6 +65,7 @@ def _dory_block(config, i):
         },
         formula=FORMULA,
         combine=lambda t, block: _interpolated(block, t),
+        mid=_mid,
     )
 
 

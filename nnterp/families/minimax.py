@@ -1,0 +1,76 @@
+"""MiniMax (MiniMax-Text-01): lightning attention (a linear attention) or softmax attention at ``self_attn``, a routed
+mixture of experts at ``mlp``, and residual adds that start from the normed stream, each side scaled by a factor.
+
+    n1 = input_layernorm(layer_input)                    (attention_norm_output)
+    layer_mid = n1 · α_a + attention_output · β_a
+    n2 = post_attention_layernorm(layer_mid)             (mlp_norm_output; mlp_input, a copy the MLP alone reads)
+    layer_output = n2 · α_m + mlp_output · β_m
+
+The residual of each add is the norm's output, not the stream the block received: ``layer_input`` is in the
+identity only through ``input_layernorm``. α_a, β_a are ``attn_alpha_factor`` and ``attn_beta_factor`` of the block
+(the config's ``full_attn_*`` or ``linear_attn_*`` factors, by ``layer_types``); α_m, β_m are ``mlp_alpha_factor`` and
+``mlp_beta_factor``. On a linear-attention block the lightning attention's output is ``mixer_output`` and the
+attention's values are unavailable, as on the other hybrids.
+"""
+
+import dataclasses
+
+import torch
+from transformers import MiniMaxConfig
+
+from .base import MODEL_LAYERS, ROUTED, Family, input, pre_norm_block
+from .hybrid import is_attention, mixer_block
+
+FORMULA = ("layer_output = n2·α_m + mlp_output·β_m, n2 = norm2(layer_mid), "
+           "layer_mid = n1·α_a + attention_output·β_a, n1 = norm1(layer_input) "
+           "(RMS norms: input_layernorm, post_attention_layernorm; α_a, β_a: attn_alpha_factor, attn_beta_factor; "
+           "α_m, β_m: mlp_alpha_factor, mlp_beta_factor)")
+
+
+def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm's own forward, called past nnsight's instrumentation (recomputing, not serving a value)."""
+    return type(norm).forward(norm, x)
+
+
+def _scaled_adds(t, block):
+    n1 = _native(block.input_layernorm, t["layer_input"])
+    mid = n1 * block.attn_alpha_factor + t["attention_output"] * block.attn_beta_factor
+    n2 = _native(block.post_attention_layernorm, mid)
+    return n2 * block.mlp_alpha_factor + t["mlp_output"] * block.mlp_beta_factor
+
+
+def _attention_factors(config, i) -> tuple[float, float]:
+    """(α_a, β_a) of block ``i``, as the block takes them from the config."""
+    if config.layer_types[i] == "linear_attention":
+        return config.linear_attn_alpha_factor, config.linear_attn_beta_factor
+    return config.full_attn_alpha_factor, config.full_attn_beta_factor
+
+
+def _minimax_block(config, i):
+    attention = is_attention(config, i)
+    block = pre_norm_block(
+        input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj" if attention else "",
+        post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="", formula=FORMULA, combine=_scaled_adds,
+        mlp_activation=ROUTED, mlp_neurons=ROUTED,
+        # the MLP's input is also the residual of the MLP add: read as a copy swapped in for the MLP alone, so an
+        # edit of mlp_input is the MLP's (an edit of mlp_norm_output reaches both)
+        mlp_input=input("mlp", copy=True),
+    )
+    if not attention:
+        block = mixer_block(block, i, "self_attn", "lightning attention (a linear attention)")
+    alpha, beta = _attention_factors(config, i)
+    # the stream after the token mixer's add, from the values alone: the proof checks layer_mid is placed there
+    return dataclasses.replace(block, mid=lambda v, _: v["attention_norm_output"] * alpha + v["mixer_output"] * beta)
+
+
+MINIMAX = Family(
+    name="MiniMax", model_types=("minimax",), **MODEL_LAYERS, block=_minimax_block,
+    # blocks 0 and 2 softmax attention, 1 and 3 lightning attention; every factor off 1 and distinct, so a missing
+    # one shows; a block of 4 positions so the lightning attention carries its state across blocks
+    tiny_config=lambda: MiniMaxConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+        layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+        full_attn_alpha_factor=0.7, full_attn_beta_factor=1.3, linear_attn_alpha_factor=0.6,
+        linear_attn_beta_factor=1.6, mlp_alpha_factor=0.8, mlp_beta_factor=1.2, pad_token_id=0),
+)
