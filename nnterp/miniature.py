@@ -126,6 +126,9 @@ def _shrink(config: PretrainedConfig, language_model: bool = True) -> None:
     if heads and hidden and width:  # Zamba's shared transformer reads the stream and the embeddings side by side
         config.attention_hidden_size = width // hidden * config.hidden_size
         _set(config, "attention_head_dim", config.attention_hidden_size // HEADS)
+    embedded = getattr(config, "word_embed_proj_dim", None)
+    if heads and hidden and _is_int(embedded) and embedded:  # OPT's embedding width: in proportion, so the miniature
+        config.word_embed_proj_dim = max(1, embedded * config.hidden_size // hidden)  # projects to the stream iff the model does
     axial = getattr(config, "axial_pos_embds_dim", None)
     if heads and hidden and axial:  # Reformer's axial position embeddings split the stream's width: in proportion
         dims = [max(1, d * config.hidden_size // hidden) for d in axial[:-1]]

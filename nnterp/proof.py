@@ -307,7 +307,7 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
                             f"(modules there: {children or 'none'})")
             return False
 
-    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout", "vocab_projection"):
+    for what in ("layers", "embed_tokens", "ln_final", "lm_head", "stream_readout", "vocab_projection", "head_input"):
         if getattr(family, what):
             check(what, getattr(family, what), model)
     for path in family.stacks:

@@ -273,6 +273,7 @@ class StandardizedTransformer(TransformersModel):
                  f"  model.embed_tokens = {family.embed_tokens},  model.ln_final = "
                  f"{family.ln_final or 'none (the head reads the last block output)'},  "
                  f"model.lm_head = {family.lm_head}"
+                 + (f" (reading {family.head_input}'s output)" if family.head_input else "")
                  + (f" (then {family.vocab_projection}, the projection on the vocabulary)" if family.vocab_projection else "")]
         groups: dict[tuple, list[int]] = {}
         for i in range(self.num_layers):
@@ -291,7 +292,8 @@ class StandardizedTransformer(TransformersModel):
         family = self.__dict__.get("_nnterp_family")
         if name == "ln_final" and family is not None and family.ln_final is None:
             raise AttributeError(f"{family.name} has no final norm: its head reads the last block's output directly, "
-                                 "so model.ln_final does not exist (model.project_on_vocab(h) is model.lm_head(h)).")
+                                 "so model.ln_final does not exist (model.project_on_vocab(h) is model.lm_head("
+                                 f"{f'model.{family.head_input}(h)' if family.head_input else 'h'})).")
         return TransformersModel.__getattr__(self, name)  # explicit: the class travels by value
 
     # -- model-level names --------------------------------------------------------------
@@ -370,6 +372,8 @@ class StandardizedTransformer(TransformersModel):
             elif norm_weight is not None and hidden.dtype != norm_weight.dtype:
                 hidden = hidden.to(norm_weight.dtype)  # a float32 stream (ZAYA) is cast for the norm
             normed = self.ln_final(hidden)
+        if family.head_input:  # a projection between the norm and the head (OPT's project_out)
+            normed = self._module.get_submodule(family.head_input)(normed)
         if family.head_input_transform:
             normed = family.head_input_transform(normed, self._module.config)
         head_weight = getattr(self.lm_head._module, "weight", None)

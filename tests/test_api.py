@@ -125,9 +125,6 @@ def test_bad_assignment_is_refused_and_the_model_stays_usable(llama, bad, messag
 
 
 @pytest.mark.parametrize("config, message", [
-    (lambda: __import__("transformers").OPTConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
-                                                  ffn_dim=64, vocab_size=128, word_embed_proj_dim=32,
-                                                  do_layer_norm_before=False), "do_layer_norm_before=False"),
     (lambda: __import__("transformers").FalconConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
                                                      vocab_size=128, new_decoder_architecture=True,
                                                      parallel_attn=False), "parallel_attn=False"),

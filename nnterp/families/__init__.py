@@ -136,7 +136,8 @@ def family_of(config: PretrainedConfig, architecture: str | None = None) -> Fami
             "plain nnsight (nnsight.LanguageModel) wraps any model."
         )
     family.check_config(config.get_text_config())
-    return family
+    changes = family.per_config(config.get_text_config()) if family.per_config else {}
+    return dataclasses.replace(family, **changes) if changes else family
 
 
 # the pieces a spec is made of, for a user's own family (``nnterp.register_family``)

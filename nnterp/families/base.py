@@ -124,6 +124,12 @@ class Family:
     # why no stream can be read out as the model reads its last block's output (a readout that mixes earlier blocks'
     # outputs in too): project_on_vocab and the logit lens refuse with it; None: they read out through the head
     readout_unavailable: str | None = None
+    # a module the model runs on the normed stream before the head (OPT's project_out, where word_embed_proj_dim is
+    # not hidden_size); None: the head reads the final norm's output (or the last block's, with no final norm)
+    head_input: str | None = None
+    # the fields of this spec that differ on one (text) config, where the modules around the blocks depend on it (OPT:
+    # no final norm on a post-norm config, project_out where the embeddings are narrower than the stream); None: none
+    per_config: Callable[[PretrainedConfig], dict] | None = None
 
     @property
     def block_lists(self) -> tuple[str, ...]:

@@ -1,23 +1,92 @@
-"""OPT (pre-norm, ``do_layer_norm_before=True``): the MLP's layers sit on the block itself.
+"""OPT: the MLP's layers sit on the block itself; pre-norm blocks, or post-norm ones (OPT-350m).
 
 There is no MLP module: ``final_layer_norm``, ``fc1``, ``activation_fn`` and ``fc2`` are the
 block's own, and ``layers[i].mlp`` is the block. The block flattens the stream to
 ``[batch * seq, hidden]`` before them; the values keep ``[batch, seq, ...]``.
 ``final_layer_norm`` here is the block's MLP norm, not the model's final norm.
+
+With ``do_layer_norm_before=False`` (OPT-350m) each block norms the stream after each residual add:
+
+    n = self_attn_layer_norm(layer_input + attention_output)     (layer_mid: what the MLP reads, and its residual)
+    layer_output = final_layer_norm(n + mlp_output)
+
+No norm sits before either sublayer, so ``attention_norm_output`` and ``mlp_norm_output`` are unavailable, and
+``mlp_input`` is a copy of ``layer_mid`` handed to the MLP alone (an edit of ``layer_mid`` reaches both). Such a
+model has no final norm: ``model.ln_final`` does not exist and the head reads the last block's output. Where
+``word_embed_proj_dim`` is not ``hidden_size`` (OPT-350m) the model projects the embeddings up to the stream
+(``project_in``) and the stream down before the head (``project_out``, after the final norm if there is one):
+``project_on_vocab`` runs ``project_out`` too.
 """
 
+import torch
 from transformers import OPTConfig
 
-from ..errors import UnsupportedConfig
-from .base import Family, input, output, pre_norm_block
+from .base import Block, Family, Unavailable, input, output, pre_norm_block
+
+POST_NORM_FORMULA = "layer_output = final_layer_norm(self_attn_layer_norm(layer_input + attention_output) + mlp_output)"
 
 
-def _check(config):
+def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm's own forward, called past nnsight's instrumentation (recomputing, not serving a value)."""
+    return type(norm).forward(norm, x)
+
+
+def _mid(t, block):
+    return _native(block.self_attn_layer_norm, t["layer_input"] + t["attention_output"])
+
+
+def _post_norm(t, block):
+    return _native(block.final_layer_norm, _mid(t, block) + t["mlp_output"])
+
+
+def _post_norm_block() -> Block:
+    return Block(
+        values={
+            "layer_input": input("", arg=0),
+            "attention_norm_output": Unavailable(
+                "a post-norm block (do_layer_norm_before=False): the attention reads layer_input itself, and the block "
+                "norms the stream after the attention's add (self_attn_layer_norm, whose output is layer_mid)"),
+            "attention_premix": input("self_attn.out_proj", heads=True),
+            "attention_output": output("self_attn", index=0),
+            # the normed stream: what the MLP reads and the residual of the second add
+            "layer_mid": output("self_attn_layer_norm"),
+            "mlp_norm_output": Unavailable(
+                "a post-norm block (do_layer_norm_before=False): no norm sits on the MLP's branch alone; the MLP reads "
+                "the stream after self_attn_layer_norm (layer_mid), which is also the residual of the MLP's add"),
+            # fc1's input is also the residual: edits of what the MLP receives go to a copy
+            "mlp_input": input("fc1", unflatten=True, copy=True),
+            "mlp_activation": output("activation_fn", unflatten=True),
+            "mlp_neurons": input("fc2", unflatten=True),
+            "mlp_output": output("fc2", unflatten=True),
+            "layer_output": output(""),
+        },
+        formula=POST_NORM_FORMULA,
+        combine=_post_norm,
+        mid=_mid,  # the proof checks layer_mid is self_attn_layer_norm's output of the first add
+    )
+
+
+def _block(config, i):
     if not config.do_layer_norm_before:
-        raise UnsupportedConfig(
-            "OPT with do_layer_norm_before=False (OPT-350m) norms after each residual add: "
-            "layer_output = LN(LN(x + a) + m), so no residual identity exists. Pre-norm OPT models are supported."
-        )
+        return _post_norm_block()
+    return pre_norm_block(
+        input_norm="self_attn_layer_norm", attention="self_attn", o_proj="self_attn.out_proj",
+        post_norm="final_layer_norm", mlp="fc1", act="activation_fn", down_proj="fc2",
+        # the stream after the attention add, before the block flattens it (the add's result, read through .source)
+        layer_mid=output("", op="hidden_states_2"), mlp_norm_output=output("final_layer_norm", unflatten=True),
+        mlp_input=input("fc1", unflatten=True), mlp_activation=output("activation_fn", unflatten=True),
+        mlp_neurons=input("fc2", unflatten=True), mlp_output=output("fc2", unflatten=True),
+    )
+
+
+def _per_config(config) -> dict:
+    """The modules after the blocks, as OPTDecoder builds them for this config."""
+    changes = {}
+    if not config.do_layer_norm_before or getattr(config, "_remove_final_layer_norm", False):
+        changes["ln_final"] = None  # the decoder's final_layer_norm is None
+    if config.word_embed_proj_dim != config.hidden_size:
+        changes["head_input"] = "model.decoder.project_out"
+    return changes
 
 
 OPT = Family(
@@ -28,15 +97,9 @@ OPT = Family(
     ln_final="model.decoder.final_layer_norm",
     attention="self_attn",
     mlp=None,
-    block=lambda config, i: pre_norm_block(
-        input_norm="self_attn_layer_norm", attention="self_attn", o_proj="self_attn.out_proj",
-        post_norm="final_layer_norm", mlp="fc1", act="activation_fn", down_proj="fc2",
-        # the stream after the attention add, before the block flattens it (the add's result, read through .source)
-        layer_mid=output("", op="hidden_states_2"), mlp_norm_output=output("final_layer_norm", unflatten=True),
-        mlp_input=input("fc1", unflatten=True), mlp_activation=output("activation_fn", unflatten=True),
-        mlp_neurons=input("fc2", unflatten=True), mlp_output=output("fc2", unflatten=True),
-    ),
+    block=_block,
     tiny_config=lambda: OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, ffn_dim=128,
                                   vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=64),
-    check_config=_check,
+    variants=(("pre-norm", {}), ("post-norm (OPT-350m)", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})),
+    per_config=_per_config,
 )
