@@ -231,6 +231,45 @@ def pre_norm_block(
     )
 
 
+def native(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward, called past nnsight's instrumentation: an identity that has the block's norms in it
+    recomputes them (it serves no value, and uses up no call)."""
+    return type(module).forward(module, x)
+
+
+def post_norm_block(*, first_norm: str, second_norm: str, attention: str, o_proj: str, mlp_input: Location,
+                    mlp_activation: Location, mlp_neurons: Location, mlp_output: Location, why: str = "") -> Block:
+    """A post-norm block, ``n = first_norm(x + attn(x)); y = second_norm(n + mlp(n))``: the norms are in the identity
+    (recomputed with their own forward), ``layer_mid`` is ``n``, which the MLP reads and the second add adds to, and
+    no norm sits before either sublayer. ``mlp_input`` should be a copy of ``n`` handed to the MLP alone
+    (``copy=True``): an edit of it reaches the MLP, one of ``layer_mid`` the stream too. ``why`` names the config
+    that makes the block post-norm, in the reasons."""
+    def mid(t, block):
+        return native(block.get_submodule(first_norm), t["layer_input"] + t["attention_output"])
+
+    post_norm = f"a post-norm block{why}"
+    return Block(
+        values={
+            "layer_input": input("", arg=0),
+            "attention_norm_output": Unavailable(
+                f"{post_norm}: the attention reads layer_input itself, and the block norms the stream after the "
+                f"attention's add ({first_norm}, whose output is layer_mid)"),
+            "attention_premix": input(o_proj, heads=True),
+            "attention_output": output(attention, index=0),
+            "layer_mid": output(first_norm),
+            "mlp_norm_output": Unavailable(
+                f"{post_norm}: no norm sits on the MLP's branch alone; the MLP reads the stream after {first_norm} "
+                "(layer_mid), which is also the residual of the MLP's add"),
+            "mlp_input": mlp_input, "mlp_activation": mlp_activation, "mlp_neurons": mlp_neurons,
+            "mlp_output": mlp_output,
+            "layer_output": output("", index=0),
+        },
+        formula=f"layer_output = {second_norm}({first_norm}(layer_input + attention_output) + mlp_output)",
+        combine=lambda t, block: native(block.get_submodule(second_norm), mid(t, block) + t["mlp_output"]),
+        mid=mid,  # the proof checks layer_mid is the first norm's output of the first add
+    )
+
+
 OWN_ATTENTION = Unavailable(
     "this family computes attention in its own code, outside transformers' attention interface, so its queries, "
     "keys, scores and probabilities are not at any module boundary"
@@ -276,4 +315,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "STANDARD", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "STANDARD", "native", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

@@ -21,28 +21,22 @@ from ``norm(stream) + norm(input section's output)``, so a loop's first block re
 (``ln_final``) also runs at those restarts: its native ``.output`` is the first restart's, not the readout's.
 """
 
-import torch
 from transformers import DoryConfig
 
-from .base import MODEL_LAYERS, Block, Family, input, output
+from .base import MODEL_LAYERS, Block, Family, input, native, output
 
 FORMULA = ("layer_output = n2 + |λ2·s|·(mlp_output - n2), n2 = norm(layer_mid), "
            "layer_mid = n1 + |λ1·s|·(attention_output - n1), n1 = norm(layer_input) "
            "(L2 norms: input_layernorm, pre_feedforward_layernorm; λ1, λ2: lambda_1, lambda_2; s: lambda_scale)")
 
 
-def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The norm's own forward, called past nnsight's instrumentation (recomputing, not serving a value)."""
-    return type(norm).forward(norm, x)
-
-
 def _mid(t, block):
-    n1 = _native(block.input_layernorm, t["layer_input"])
+    n1 = native(block.input_layernorm, t["layer_input"])
     return n1 + (block.lambda_1 * block.lambda_scale).abs() * (t["attention_output"] - n1)
 
 
 def _interpolated(block, t):
-    n2 = _native(block.pre_feedforward_layernorm, _mid(t, block))
+    n2 = native(block.pre_feedforward_layernorm, _mid(t, block))
     return n2 + (block.lambda_2 * block.lambda_scale).abs() * (t["mlp_output"] - n2)
 
 

@@ -15,10 +15,9 @@ attention's values are unavailable, as on the other hybrids.
 
 import dataclasses
 
-import torch
 from transformers import MiniMaxConfig
 
-from .base import MODEL_LAYERS, ROUTED, Family, input, pre_norm_block
+from .base import MODEL_LAYERS, ROUTED, Family, input, native, pre_norm_block
 from .hybrid import is_attention, mixer_block
 
 FORMULA = ("layer_output = n2·α_m + mlp_output·β_m, n2 = norm2(layer_mid), "
@@ -27,15 +26,10 @@ FORMULA = ("layer_output = n2·α_m + mlp_output·β_m, n2 = norm2(layer_mid), "
            "α_m, β_m: mlp_alpha_factor, mlp_beta_factor)")
 
 
-def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The norm's own forward, called past nnsight's instrumentation (recomputing, not serving a value)."""
-    return type(norm).forward(norm, x)
-
-
 def _scaled_adds(t, block):
-    n1 = _native(block.input_layernorm, t["layer_input"])
+    n1 = native(block.input_layernorm, t["layer_input"])
     mid = n1 * block.attn_alpha_factor + t["attention_output"] * block.attn_beta_factor
-    n2 = _native(block.post_attention_layernorm, mid)
+    n2 = native(block.post_attention_layernorm, mid)
     return n2 * block.mlp_alpha_factor + t["mlp_output"] * block.mlp_beta_factor
 
 

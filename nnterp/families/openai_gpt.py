@@ -16,12 +16,9 @@ the model transposes them), the scores and the probabilities inside ``_attn``.
 
 from dataclasses import dataclass
 
-import torch
 from transformers import OpenAIGPTConfig
 
-from .base import At, Block, EagerAttention, Family, Unavailable, input, output
-
-FORMULA = "layer_output = ln_2(ln_1(layer_input + attention_output) + mlp_output)"
+from .base import At, EagerAttention, Family, input, output, post_norm_block
 
 
 @dataclass(frozen=True)
@@ -44,44 +41,11 @@ class OwnAttention(EagerAttention):
         }
 
 
-def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The norm's own forward, called past nnsight's instrumentation (recomputing, not serving a value)."""
-    return type(norm).forward(norm, x)
-
-
-def _mid(t, block):
-    return _native(block.ln_1, t["layer_input"] + t["attention_output"])
-
-
-def _post_norm(t, block):
-    return _native(block.ln_2, _mid(t, block) + t["mlp_output"])
-
-
 def _block(config, i):
-    return Block(
-        values={
-            "layer_input": input("", arg=0),
-            "attention_norm_output": Unavailable(
-                "a post-norm block: the attention reads layer_input itself, and the block norms the stream after the "
-                "attention's add (ln_1, whose output is layer_mid)"),
-            "attention_premix": input("attn.c_proj", heads=True),
-            "attention_output": output("attn", index=0),
-            # the normed stream: what the MLP reads and the residual of the second add
-            "layer_mid": output("ln_1"),
-            "mlp_norm_output": Unavailable(
-                "a post-norm block: no norm sits on the MLP's branch alone; the MLP reads the stream after ln_1 "
-                "(layer_mid), which is also the residual of the MLP's add"),
-            # what the MLP reads is also the residual: edits of what the MLP receives go to a copy
-            "mlp_input": input("mlp", copy=True),
-            "mlp_activation": output("mlp", op="self_act_0"),
-            "mlp_neurons": input("mlp.c_proj"),
-            "mlp_output": output("mlp"),
-            "layer_output": output("", index=0),
-        },
-        formula=FORMULA,
-        combine=_post_norm,
-        mid=_mid,  # the proof checks layer_mid is ln_1's output of the first add
-    )
+    return post_norm_block(
+        first_norm="ln_1", second_norm="ln_2", attention="attn", o_proj="attn.c_proj",
+        mlp_input=input("mlp", copy=True), mlp_activation=output("mlp", op="self_act_0"),
+        mlp_neurons=input("mlp.c_proj"), mlp_output=output("mlp"))
 
 
 OPENAI_GPT = Family(

@@ -18,57 +18,18 @@ model has no final norm: ``model.ln_final`` does not exist and the head reads th
 ``project_on_vocab`` runs ``project_out`` too.
 """
 
-import torch
 from transformers import OPTConfig
 
-from .base import Block, Family, Unavailable, input, output, pre_norm_block
-
-POST_NORM_FORMULA = "layer_output = final_layer_norm(self_attn_layer_norm(layer_input + attention_output) + mlp_output)"
-
-
-def _native(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The norm's own forward, called past nnsight's instrumentation (recomputing, not serving a value)."""
-    return type(norm).forward(norm, x)
-
-
-def _mid(t, block):
-    return _native(block.self_attn_layer_norm, t["layer_input"] + t["attention_output"])
-
-
-def _post_norm(t, block):
-    return _native(block.final_layer_norm, _mid(t, block) + t["mlp_output"])
-
-
-def _post_norm_block() -> Block:
-    return Block(
-        values={
-            "layer_input": input("", arg=0),
-            "attention_norm_output": Unavailable(
-                "a post-norm block (do_layer_norm_before=False): the attention reads layer_input itself, and the block "
-                "norms the stream after the attention's add (self_attn_layer_norm, whose output is layer_mid)"),
-            "attention_premix": input("self_attn.out_proj", heads=True),
-            "attention_output": output("self_attn", index=0),
-            # the normed stream: what the MLP reads and the residual of the second add
-            "layer_mid": output("self_attn_layer_norm"),
-            "mlp_norm_output": Unavailable(
-                "a post-norm block (do_layer_norm_before=False): no norm sits on the MLP's branch alone; the MLP reads "
-                "the stream after self_attn_layer_norm (layer_mid), which is also the residual of the MLP's add"),
-            # fc1's input is also the residual: edits of what the MLP receives go to a copy
-            "mlp_input": input("fc1", unflatten=True, copy=True),
-            "mlp_activation": output("activation_fn", unflatten=True),
-            "mlp_neurons": input("fc2", unflatten=True),
-            "mlp_output": output("fc2", unflatten=True),
-            "layer_output": output(""),
-        },
-        formula=POST_NORM_FORMULA,
-        combine=_post_norm,
-        mid=_mid,  # the proof checks layer_mid is self_attn_layer_norm's output of the first add
-    )
+from .base import Family, input, output, post_norm_block, pre_norm_block
 
 
 def _block(config, i):
     if not config.do_layer_norm_before:
-        return _post_norm_block()
+        return post_norm_block(
+            first_norm="self_attn_layer_norm", second_norm="final_layer_norm", attention="self_attn",
+            o_proj="self_attn.out_proj", why=" (do_layer_norm_before=False)",
+            mlp_input=input("fc1", unflatten=True, copy=True), mlp_activation=output("activation_fn", unflatten=True),
+            mlp_neurons=input("fc2", unflatten=True), mlp_output=output("fc2", unflatten=True))
     return pre_norm_block(
         input_norm="self_attn_layer_norm", attention="self_attn", o_proj="self_attn.out_proj",
         post_norm="final_layer_norm", mlp="fc1", act="activation_fn", down_proj="fc2",
