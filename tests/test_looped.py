@@ -25,6 +25,7 @@ from nnterp.standardized import schedule_of
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
+from .hooks import capture_calls
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 DTYPES = [torch.float32, torch.bfloat16]
@@ -109,32 +110,7 @@ def make(case="dory", dtype=torch.float32):
 def capture(hf_model, case="dory", ids=IDS):
     """Every call of every block, in order, and each call's tensors at the truth's places:
     (calls, {(layer, run, name)}, logits)."""
-    calls, captured, handles = [], {}, []
-    runs: dict[tuple[int, str], int] = {}
-    for i, block in enumerate(CASES[case][2](hf_model)):
-        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
-        for name, (path, side) in places(case, block).items():
-            module = block.get_submodule(path) if path else block
-
-            def record(tensor, i=i, name=name):
-                run = runs[(i, name)] = runs.get((i, name), -1) + 1
-                captured[(i, run, name)] = tensor.detach().clone()
-
-            if side.startswith("in"):
-                arg = int(side[2:] or 0)
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, k, record=record, arg=arg: record(a[arg] if len(a) > arg else k["hidden_states"]),
-                    with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(
-                    lambda m, a, o, record=record: record(o[0] if isinstance(o, tuple) else o)))
-    try:
-        with torch.no_grad():
-            logits = hf_model(input_ids=ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls, captured, logits
+    return capture_calls(hf_model, CASES[case][2](hf_model), lambda block: places(case, block), ids)
 
 
 def read_runs(model, ids=IDS):

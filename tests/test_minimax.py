@@ -23,6 +23,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
+from .hooks import capture_once
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])  # 7 positions: two lightning blocks of 4
 DTYPES = [torch.float32, torch.bfloat16]
@@ -52,27 +53,8 @@ def places(hf_model, i):
 
 def capture(hf_model, ids=IDS):
     """({(layer, key): tensor} at the truth's places, logits) from one plain forward pass."""
-    captured, handles = {}, []
-    for i, block in enumerate(hf_model.model.layers):
-        for key, (path, side) in places(hf_model, i).items():
-            module = block.get_submodule(path) if path else block
-
-            def record(tensor, i=i, key=key):
-                captured[(i, key)] = tensor.detach().clone()
-
-            if side == "in":
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, k, record=record: record(a[0] if a else k["hidden_states"]), with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(
-                    lambda m, a, o, record=record: record(o[0] if isinstance(o, tuple) else o)))
-    try:
-        with torch.no_grad():
-            logits = hf_model(input_ids=ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured, logits
+    blocks = hf_model.model.layers
+    return capture_once(hf_model, blocks, lambda block: places(hf_model, list(blocks).index(block)), ids)
 
 
 def block_adds(block, v, mixer):

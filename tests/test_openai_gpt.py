@@ -24,6 +24,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
+from .hooks import capture_once
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 DTYPES = [torch.float32, torch.bfloat16]
@@ -53,31 +54,9 @@ def make(case="openai-gpt", dtype=torch.float32):
     return StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer()), hf_model
 
 
-def first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def capture(hf_model, case="openai-gpt", ids=IDS):
     """Each block's tensors at the truth's places, and the logits."""
-    captured, handles = {}, []
-    for i, block in enumerate(hf_model.transformer.h):
-        for name, (path, side) in AT.items():
-            module = block.get_submodule(path) if path else block
-
-            def record(tensor, i=i, name=name):
-                captured[(i, name)] = tensor.detach().clone()
-
-            if side == "in":
-                handles.append(module.register_forward_pre_hook(lambda m, a, record=record: record(a[0])))
-            else:
-                handles.append(module.register_forward_hook(lambda m, a, o, record=record: record(first(o))))
-    try:
-        with torch.no_grad():
-            logits = hf_model(input_ids=ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured, logits
+    return capture_once(hf_model, hf_model.transformer.h, AT, ids)
 
 
 def layer_norm(norm, x):

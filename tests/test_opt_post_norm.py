@@ -22,6 +22,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
+from .hooks import capture_once
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 DTYPES = [torch.float32, torch.bfloat16]
@@ -54,10 +55,6 @@ def make(case="opt-350m", dtype=torch.float32):
     return StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer()), hf_model
 
 
-def first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def hook_input(module, record):
     """A pre-hook recording the module's stream argument (positional or ``hidden_states``)."""
     return module.register_forward_pre_hook(
@@ -66,25 +63,7 @@ def hook_input(module, record):
 
 def capture(hf_model, ids=IDS):
     """Each block's tensors at the truth's places, and the logits."""
-    captured, handles = {}, []
-    for i, block in enumerate(hf_model.model.decoder.layers):
-        for name, (path, side) in AT.items():
-            module = block.get_submodule(path) if path else block
-
-            def record(tensor, i=i, name=name):
-                captured[(i, name)] = tensor.detach().clone()
-
-            if side == "in":
-                handles.append(hook_input(module, record))
-            else:
-                handles.append(module.register_forward_hook(lambda m, a, o, record=record: record(first(o))))
-    try:
-        with torch.no_grad():
-            logits = hf_model(input_ids=ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured, logits
+    return capture_once(hf_model, hf_model.model.decoder.layers, AT, ids)
 
 
 def layer_norm(norm, x):

@@ -1,0 +1,53 @@
+"""Ground truth for the tests: plain PyTorch forward hooks on the unwrapped model, per call of each module."""
+
+from __future__ import annotations
+
+import torch
+
+
+def output_tensor(out):
+    """A module's output tensor: the first element where it returns a tuple or a list."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def capture_calls(hf_model, blocks, places, ids, **forward):
+    """One plain forward pass of ``hf_model`` on ``ids`` with hooks: ``(calls, {(layer, run, name): tensor}, logits)``.
+
+    ``blocks`` are the block modules in the standard order; ``places`` is ``{name: (path, side)}`` (a path relative
+    to the block, "" the block itself), or a function of the block module giving it. ``side`` is ``"in"`` (the
+    stream argument: the first positional one, or ``hidden_states``), ``"inN"`` (positional argument N) or
+    ``"out"`` (the output, its first element where a tuple or a list). ``calls`` lists the blocks in the order the
+    forward calls them; run k of a place is its k-th call. Each tensor is a clone: later in-place adds leave it.
+    """
+    calls, captured, handles, runs = [], {}, [], {}
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
+        for name, (path, side) in (places(block) if callable(places) else places).items():
+            module = block.get_submodule(path) if path else block
+
+            def record(tensor, i=i, name=name):
+                run = runs[(i, name)] = runs.get((i, name), -1) + 1
+                captured[(i, run, name)] = tensor.detach().clone()
+
+            if side.startswith("in"):
+                arg = int(side[2:] or 0)
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, k, record=record, arg=arg: record(a[arg] if len(a) > arg else k["hidden_states"]),
+                    with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(lambda m, a, o, record=record: record(output_tensor(o))))
+    try:
+        with torch.no_grad():
+            logits = hf_model(input_ids=ids, **forward).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, captured, logits
+
+
+def capture_once(hf_model, blocks, places, ids, **forward):
+    """``({(layer, name): tensor}, logits)`` of a model that calls each block once, in order (checked)."""
+    calls, captured, logits = capture_calls(hf_model, blocks, places, ids, **forward)
+    assert calls == list(range(len(blocks))), "a block ran more than once, or out of order"
+    assert all(run == 0 for _, run, _ in captured), "a place ran more than once in its block's call"
+    return {(i, name): tensor for (i, run, name), tensor in captured.items()}, logits
