@@ -272,7 +272,7 @@ def test_a_hybrid_runs_remotely_bit_exactly(model_type, checkpoints, requests):
 
 @pytest.mark.parametrize("model_type", ["recurrent_gemma", "falcon_h1", "gpt_neox_japanese", "granitemoeshared",
                                         "qwen4_exp_text", "got_ocr2", "zamba2", "mamba", "reformer",
-                                        "gemma3n_text", "inkling2_text", "minimax"])
+                                        "gemma3n_text", "inkling2_text", "minimax", "openai-gpt"])
 def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requests):
     """Values read at operations inside a block's code (Falcon-H1's scaled attention, GPT-NeoX-Japanese's bias add,
     Granite's summed mixture), an attention found by its class (RecurrentGemma), a widened stream (Qwen4-Exp), a
@@ -285,8 +285,9 @@ def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requ
     config = BY_MODEL_TYPE[model_type].tiny_config()
     internals = not isinstance(BY_MODEL_TYPE[model_type].attention_of(config.get_text_config()), Unavailable)
     model = StandardizedTransformer(str(folder), attention_values=internals)
-    if model_type == "got_ocr2":  # its vision tower's attention is its own code: the server cannot switch to eager
-        with pytest.raises(ValueError, match="cannot run remotely on GotOcr2.*disable_attention_values"):
+    # their attention (GOT-OCR2's vision tower's, GPT-1's) is their own code: the server cannot switch it to eager
+    if model_type in ("got_ocr2", "openai-gpt"):
+        with pytest.raises(ValueError, match="cannot run remotely on (GotOcr2|OpenAIGPT).*disable_attention_values"):
             read_everything(model, True)
         assert not requests
         model.disable_attention_values()
