@@ -182,7 +182,6 @@ class LayersEnvoy(Envoy):
         return Envoy.__getitem__(self, key)
 
 
-
 class _Run:
     """Values at one run of a looped block (``Slot.run``), declared like the envoys' (``_run_class``)."""
 

@@ -21,6 +21,7 @@ from .families import family_of
 from .families.base import ROUTED, SEQUENTIAL
 from .locations import At
 from .miniature import miniature_config, quiet_transformers
+from .selection import block_calls
 from .version import __version__
 
 IDENTITY_TERMS = ("layer_input", "attention_output", "mixer_output", "mlp_output", "layer_output")
@@ -50,15 +51,10 @@ def _label(layer: int, run: int | None) -> str:
     return f"layer {layer}" + ("" if run is None else f" (run {run})")
 
 
-def _calls(model) -> list[tuple[int, int | None]]:
-    """``(layer, run)`` of each block call in forward order; run None where the block runs once per pass."""
-    return [(layer, run if model.runs_of(layer) > 1 else None) for layer, run in model.schedule]
-
-
 def read_blocks(model, inputs, names=None, remote: bool | str = False) -> list[dict[str, torch.Tensor]]:
     """One trace reading, per block call in forward order (``model.schedule``: per block, where each runs once),
     the values named (all, with None) and the identity extras."""
-    calls = _calls(model)
+    calls = block_calls(model, None)
     with torch.no_grad(), model.trace(inputs, remote=remote):
         read = nnsight.save([{} for _ in calls])
         for n, (i, run) in enumerate(calls):
@@ -89,7 +85,7 @@ def check_identity(model, inputs=None, remote: bool | str = False) -> list[Ident
     """
     if inputs is None:
         inputs = torch.arange(1, 9).remainder(model.vocab_size).unsqueeze(0)
-    calls = _calls(model)
+    calls = block_calls(model, None)
     with torch.no_grad(), model.trace(inputs, remote=remote):
         results = nnsight.save([])
         for i, run in calls:
@@ -183,7 +179,7 @@ def problems_of(model) -> list[str]:
     """Every way the family spec fails on ``model``: shapes of the values, and the identity."""
     problems = []
     ids = torch.arange(1, SEQ + 1).remainder(model.vocab_size).unsqueeze(0)
-    for (i, run), values in zip(_calls(model), read_blocks(model, ids)):
+    for (i, run), values in zip(block_calls(model, None), read_blocks(model, ids)):
         label = _label(i, run)
         for value in CATALOG:
             if value.name in values:

@@ -222,7 +222,8 @@ class StandardizedTransformer(TransformersModel):
         # read on every value: kept, per block (a heterogeneous config's layers may have their own head counts; None
         # on a model without attention: a recurrent one)
         self._nnterp_heads = heads_per_layer(family, self._nnterp_text_config, len(self.layers))
-        self._nnterp_schedule = schedule_of(family, self._nnterp_text_config, len(self.layers))
+        # the block calls of a pass, and how many times each block runs (read on every value of a looped model)
+        self._nnterp_schedule, self._nnterp_runs = schedule_of(family, self._nnterp_text_config, len(self.layers))
         self._place_values()
         for i, block in enumerate(self.layers):
             slot = Slot(self, i)
@@ -238,14 +239,12 @@ class StandardizedTransformer(TransformersModel):
                     block._module, "self_attn"):
                 block.self_attn._nnterp_slot = slot
         # values read without positions the model prepends to the tokens (CPM-Ant): a cached pass has none
-        self._nnterp_prefixed = self._some_value_viewed("prefix")
+        self._nnterp_prefixed = bool(self._view_in_use("prefix"))
         # a block that flattens the stream (OPT) needs [batch, seq] of each pass, read before its values
-        self._nnterp_flattens = self._some_value_viewed("unflatten")
+        self._nnterp_flattens = bool(self._view_in_use("unflatten"))
         # a model that pads the stream after the tokens (Reformer) passes its blocks how many positions are tokens:
         # the keyword argument, read from a block's input before the block's first value in a pass
-        self._nnterp_counted = next((location.count for block in self._nnterp_blocks
-                                     for location in block.values.values()
-                                     if isinstance(location, At) and location.count), "")
+        self._nnterp_counted = self._view_in_use("count") or ""
         if validate and not validated:
             validated = proof.validate(model.config, type(model), tokenizer, StandardizedTransformer)
         # from the validated miniature (same architecture, same names) when there is one
@@ -253,10 +252,11 @@ class StandardizedTransformer(TransformersModel):
         if attention_values:
             self.enable_attention_values()
 
-    def _some_value_viewed(self, view: str) -> bool:
-        """Whether a value of some block is read through the view ``view`` of ``At`` (``"prefix"``, ``"unflatten"``)."""
-        return any(isinstance(location, At) and getattr(location, view)
-                   for block in self._nnterp_blocks for location in block.values.values())
+    def _view_in_use(self, view: str):
+        """The view ``view`` of ``At`` (``"prefix"``, ``"unflatten"``, ``"count"``) as the first value of some block that
+        is read through it sets it; None where no value is."""
+        return next((getattr(location, view) for block in self._nnterp_blocks for location in block.values.values()
+                     if isinstance(location, At) and getattr(location, view)), None)
 
     def __repr__(self) -> str:
         """The model's own module tree (standard aliases shown as ``alias/native``), then the standard names."""
@@ -333,8 +333,7 @@ class StandardizedTransformer(TransformersModel):
 
     def runs_of(self, layer: int) -> int:
         """How many times block ``layer`` runs in each forward pass (1 except in a looped section)."""
-        layer %= self.num_layers
-        return sum(1 for block, _ in self._nnterp_schedule if block == layer)
+        return self._nnterp_runs[layer % self.num_layers]
 
     def run_slot(self, layer: int, run: int) -> Slot:
         """The slot of run ``run`` of block ``layer``; an ``IndexError`` names the runs the block has."""
@@ -390,7 +389,7 @@ class StandardizedTransformer(TransformersModel):
         """Raise ``ReadoutUnavailable`` where the family has no readout of one stream (``project_on_vocab``, the lens)."""
         if self.family.readout_unavailable:
             raise ReadoutUnavailable(f"project_on_vocab and the logit lens are unavailable on {self.family.name}: "
-                              f"{self.family.readout_unavailable}.")
+                                     f"{self.family.readout_unavailable}.")
 
     def dispatch(self) -> None:
         """Load the weights of a model built with ``dispatch=False`` (the first trace does it too)."""
@@ -530,7 +529,7 @@ class StandardizedTransformer(TransformersModel):
         to a module's first call unless the mediator is pinned to a later occurrence, which ``tracer.iter`` does per
         generation step); the mediator pinned, or None. (Plain calls, not a context manager: the class travels by
         value to remote servers as source, without its decorators.)"""
-        runs = self.runs_of(layer) if self.family.schedule else 1
+        runs = self.runs_of(layer)
         if run is None and runs > 1:
             raise RunNotChosen(
                 f"layers[{layer}] runs {runs} times in each forward pass of {self.family.name} (a looped section), so "
@@ -719,15 +718,16 @@ def _unpin(mediator: Mediator | None) -> None:
         mediator.iteration = 0
 
 
-def schedule_of(family: Family, config, num_layers: int) -> tuple[tuple[int, int], ...]:
-    """``(layer, run)`` of each block call of a forward pass, in order (``Family.schedule``)."""
+def schedule_of(family: Family, config, num_layers: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """``(layer, run)`` of each block call of a forward pass, in order (``Family.schedule``), and each block's number
+    of runs."""
     order = family.schedule(config) if family.schedule else range(num_layers)
-    seen: dict[int, int] = {}
+    runs = [0] * num_layers
     calls = []
     for layer in order:
-        calls.append((layer, seen.get(layer, 0)))
-        seen[layer] = seen.get(layer, 0) + 1
-    return tuple(calls)
+        calls.append((layer, runs[layer]))
+        runs[layer] += 1
+    return tuple(calls), tuple(runs)
 
 
 def _has_module(module: torch.nn.Module, path: str) -> bool:

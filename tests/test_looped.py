@@ -294,7 +294,7 @@ def test_the_proof_refuses_a_schedule_that_is_not_the_models():
     right = model._nnterp_family
     for schedule in (lambda config: tuple(range(5)), lambda config: (0, 1, 2, 3, 1, 2, 3, 4)):
         model._nnterp_family = dataclasses.replace(right, schedule=schedule)
-        model._nnterp_schedule = schedule_of(model._nnterp_family, model._nnterp_text_config, 5)
+        model._nnterp_schedule, model._nnterp_runs = schedule_of(model._nnterp_family, model._nnterp_text_config, 5)
         problems = problems_of(model)
         assert problems and all("runs 3 times in a pass, not once per run" in p for p in problems)
         assert {p.split(":")[0] for p in problems} == {"layer 1", "layer 2", "layer 3"}
