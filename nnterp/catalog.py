@@ -8,6 +8,7 @@ family really runs in.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 
@@ -64,9 +65,42 @@ def values_of(owner: str) -> tuple[Value, ...]:
     return tuple(v for v in CATALOG if v.owner == owner)
 
 
+# TransformerLens's hook names (``blocks.i.<name>``, with or without ``hook_``) -> the standard value of the same
+# meaning, for suggestions. ``hook_post`` is what the down projection sums (after a gated MLP's product).
+TRANSFORMERLENS_NAMES: dict[str, str] = {
+    "resid_pre": "layer_input", "ln1.hook_normalized": "attention_norm_output", "attn.hook_q": "queries",
+    "attn.hook_k": "keys", "attn.hook_v": "values", "attn.hook_attn_scores": "attention_scores",
+    "attn.hook_pattern": "attention_probabilities", "attn.hook_z": "attention_premix", "attn_out": "attention_output",
+    "resid_mid": "layer_mid", "ln2.hook_normalized": "mlp_norm_output", "mlp_in": "mlp_input",
+    "mlp.hook_post": "mlp_neurons", "mlp_out": "mlp_output", "resid_post": "layer_output",
+}
+
+
+def _transformerlens_name(name: str) -> str | None:
+    """The standard value a TransformerLens hook name means (``"blocks.5.hook_resid_post"``, ``"resid_post"``,
+    ``"attn.hook_pattern"``, ``"pattern"``), or None."""
+    tail = name.split(".", 2)[2] if name.startswith("blocks.") and name.count(".") >= 2 else name
+    for hook, standard in TRANSFORMERLENS_NAMES.items():
+        short = hook.rpartition(".")[2].removeprefix("hook_")
+        if tail in (hook, f"hook_{hook}", short, f"hook_{short}"):
+            return standard
+    return None
+
+
+def suggestion(name: str) -> Value | None:
+    """The standard value a mistyped or TransformerLens name most likely means, or None."""
+    standard = _transformerlens_name(name)
+    if standard is None:
+        close = difflib.get_close_matches(name.rpartition(".")[2], BY_NAME, n=1, cutoff=0.75)
+        standard = close[0] if close else None
+    return BY_NAME.get(standard) if standard else None
+
+
 def value_named(value: str) -> Value:
     """``"mlp.mlp_output"`` or ``"mlp_output"``: the catalog entry; a clear error for an unknown value."""
     name = value.rpartition(".")[2]
     if name not in BY_NAME:
-        raise ValueError(f"Unknown standard value {value!r}. The values are: {', '.join(BY_NAME)}.")
+        guess = suggestion(value)
+        hint = f"Did you mean {guess.name!r} ({guess.meaning})? " if guess else ""
+        raise ValueError(f"Unknown standard value {value!r}. {hint}The values are: {', '.join(BY_NAME)}.")
     return BY_NAME[name]

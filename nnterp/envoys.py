@@ -15,7 +15,7 @@ import torch
 from greenlet import getcurrent
 from nnsight import Envoy
 
-from .catalog import BY_NAME, value_named
+from .catalog import BY_NAME, suggestion, value_named
 from .errors import ValueUnavailable
 from .locations import Unavailable
 
@@ -102,7 +102,14 @@ class StandardEnvoy(Envoy):
             return slot.model.read_value(slot.layer, name, run=slot.run)
         if slot is not None and name in SUBLAYERS and isinstance(self, BlockEnvoy):
             _no_sublayer(slot, name)
-        return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
+        try:
+            return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
+        except AttributeError as error:
+            guess = suggestion(name) if slot is not None and not name.startswith("_") else None
+            if guess is None:
+                raise
+            where = slot.label() + ("" if guess.owner == "block" else f".{guess.owner}")
+            raise AttributeError(f"{error} Did you mean `model.{where}.{guess.name}`?") from None
 
 
 # a block's sublayer -> the value that is its contribution: the sublayer exists where the value does

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from . import attention, proof
+from . import attention, inputs, proof
 from .catalog import BY_NAME, CATALOG, value_named
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, Slot, SublayerEnvoy
 from .errors import NNterpError, ReadoutUnavailable, RunNotChosen, UnknownArchitecture, ValueUnavailable
@@ -40,15 +41,13 @@ class Availability:
 
 
 class AvailabilityTable(dict):
-    """``{value: Availability}``, printed as a table, one value a line (reasons shortened; ``str(entry)`` has all)."""
+    """``{value: Availability}``, printed as a table, one value an entry (a long reason wrapped at word breaks)."""
 
     def __repr__(self) -> str:
         width = max(map(len, self), default=0)
-
-        def short(entry: Availability) -> str:
-            text = str(entry)
-            return text if len(text) <= 100 else text[:97] + "..."
-        return "\n".join(f"{key:<{width}}  {short(entry)}" for key, entry in self.items())
+        return "\n".join(textwrap.fill(f"{key:<{width}}  {entry}", width=max(120, width + 60),
+                                        subsequent_indent=" " * (width + 2), break_long_words=False,
+                                        break_on_hyphens=False) for key, entry in self.items())
 
     __str__ = __repr__
 
@@ -56,6 +55,8 @@ class AvailabilityTable(dict):
 def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained_kwargs: dict):
     """Config, tokenizer and validation, before any weight: (config, architecture, tokenizer, validated events)."""
     local = os.path.isdir(name)
+    if not local:
+        _refuse_unreachable(str(name))
     try:
         # the config the model is built with: loading options that are config attributes override the folder's
         config, _ = AutoConfig.from_pretrained(name, return_unused_kwargs=True, **from_pretrained_kwargs)
@@ -64,8 +65,7 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
             raise OSError(f"{str(name)!r} is a folder, but its config.json could not be read: {error}") from error
         raise OSError(
             f"Could not load {str(name)!r}: it is not a local folder holding a model, and the hub could not "
-            "provide it (no network, HF_HUB_OFFLINE set, or no such repository). Pass a local folder, or a hub "
-            f"name with network access. Cause: {error}"
+            f"provide it (no network, HF_HUB_OFFLINE set, or no such repository). {_OFFLINE_HINT} Cause: {error}"
         ) from error
     except ValueError as error:  # a config.json that is not valid JSON, or not a config
         raise OSError(f"The config of {str(name)!r} could not be read: {error}") from error
@@ -85,6 +85,31 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
     if validate:
         events = proof.validate(config, architecture, tokenizer, StandardizedTransformer)
     return config, architecture, tokenizer, events
+
+
+_OFFLINE_HINT = ("Pass a local folder, or a hub name with network access; offline, "
+                 "nnterp.embedded.load_embedded() gives the embedded SmolLM2-135M.")
+
+
+def _refuse_unreachable(name: str) -> None:
+    """A name that is no folder: a path that does not exist, or a hub name that cannot be fetched without network
+    (said at once, where the hub client would retry for half a minute)."""
+    if name.startswith(("/", "./", "../", "~")) or os.sep in name.strip(os.sep).replace("/", "", 1) or (
+            os.path.exists(name)):
+        raise OSError(f"No model folder at {name!r}: {'it is not a folder' if os.path.exists(name) else 'no such path'}"
+                      ". Pass the folder that holds the model's config.json (or a hub name, org/model).")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # offline: transformers reads the cache, or says it cannot, at once
+    import socket
+
+    try:
+        socket.create_connection((constants.ENDPOINT.split("://")[-1].split("/")[0], 443), timeout=5).close()
+    except OSError as error:
+        raise OSError(f"Could not load {name!r}: it is not a local folder, and the hub cannot be reached ({error}). "
+                      f"Set HF_HUB_OFFLINE=1 to read models already in the Hugging Face cache. {_OFFLINE_HINT}"
+                      ) from None
 
 
 def _architecture_of(config) -> type[PreTrainedModel]:
@@ -164,6 +189,10 @@ class StandardizedTransformer(TransformersModel):
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
                 "the model is given by name or folder. Build the model with them, then wrap it."
             )
+        elif isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):
+            raise TypeError(
+                f"This is a torch.compile'd model ({type(model).__name__}); its forward is a compiled graph nnsight "
+                "cannot intervene in. Wrap the model it compiled: StandardizedTransformer(compiled._orig_mod, ...).")
         elif not isinstance(model, PreTrainedModel):
             raise TypeError(f"Expected a model name, a folder or a transformers PreTrainedModel, got {type(model).__name__}.")
         elif not model.can_generate():
@@ -216,6 +245,8 @@ class StandardizedTransformer(TransformersModel):
         if family.stacks:
             self.__dict__["layers"] = StackedLayers([self._envoy_at(path) for path in self._nnterp_block_paths])
         self._nnterp_text_config = model.config.get_text_config()
+        self._nnterp_position_limit = inputs.position_limit(model)
+        self._nnterp_warned_hooks: set = set()  # the user's own hooks on the model, warned about once each
         self._nnterp_structure = tuple(family.block(self._nnterp_text_config, i) for i in range(len(self.layers)))
         self._nnterp_attention_on = False
         self._nnterp_validate = validate
@@ -441,6 +472,9 @@ class StandardizedTransformer(TransformersModel):
         hands the model back with the implementation it had."""
         if not self.dispatched and detect_fake_mode() is None:  # the weights first: dispatch swaps the module
             self.dispatch()
+        if detect_fake_mode() is None:
+            inputs.refuse_meta(self._module)
+            inputs.warn_foreign_hooks(self._module, self._nnterp_warned_hooks)
         own = attention.implementation_of(self._module)
         if not self._nnterp_attention_on or own == attention.IMPLEMENTATION:
             return TransformersModel.interleave(self, fn, *args, **kwargs)
@@ -449,6 +483,17 @@ class StandardizedTransformer(TransformersModel):
             return TransformersModel.interleave(self, fn, *args, **kwargs)
         finally:
             attention.set_implementation(self._module, own)
+
+    def _batch_size(self, *args, **kwargs) -> int:
+        inputs.refuse_empty(args)
+        return TransformersModel._batch_size(self, *args, **kwargs)
+
+    def _batch(self, invokes: list, fn) -> tuple:
+        """The batched forward input, refused in one line where the model could not run it."""
+        batched = TransformersModel._batch(self, invokes, fn)
+        if isinstance(batched, tuple) and len(batched) == 2 and isinstance(batched[1], dict):
+            inputs.check_batch(self._module, batched[1], self._nnterp_position_limit)
+        return batched
 
     def _remoteable_get_env(self) -> dict:
         """The environment a remote request carries: eager attention while the attention values are on."""

@@ -8,6 +8,8 @@ import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# one thread in every process the suite starts too (subprocesses inherit it): results are bit-identical across them
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest
 import torch

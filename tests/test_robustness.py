@@ -161,6 +161,7 @@ def test_an_incomplete_collection_says_what_is_missing(llama, tmp_path, monkeypa
 KILLER = """
 import sys, torch
 from nnterp import StandardizedTransformer, collect
+torch.set_num_threads(1)  # as the suite's own process: bit-identical results
 model = StandardizedTransformer(sys.argv[1])
 prompts = [line for line in open(sys.argv[2]).read().split("\\n") if line]
 collect(model, prompts, sys.argv[3], values=["layer_output", "mlp_output"], positions="all", batch_size=1,
