@@ -6,24 +6,29 @@ the number of prompts. The manifest records every shard with its rows and checks
 file is written whole or not at all (a temporary file, then a rename), so a rerun with the same
 folder resumes after the last shard recorded, never duplicates a row, and a damaged collection
 says what is missing. Several workers split one prompt list with ``shard=(rank, world)``: each
-writes its own batches and its own manifest into the same folder. ``Collection(folder)`` reads
-all of it back, in prompt order, memory-mapped: ``collection["layer_output", 1000:2000]`` reads
-those rows only.
+writes its own batches and its own manifest into the same folder. The manifest also records who
+wrote the values (the model's class, config and a checksum of its weights, the dtype, a mask
+function's code): a resume or a worker whose writer differs is refused, so rows of two models never
+mix. ``Collection(folder)`` reads all of it back, in prompt order, memory-mapped:
+``collection["layer_output", 1000:2000]`` reads those rows only.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
 import os
 import re
 import time
+import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import nnsight
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -35,7 +40,8 @@ from .selection import forward_order, layer_indices, token_index, value_name
 MANIFEST = "manifest.json"
 WORKER_MANIFEST = re.compile(r"manifest-(\d+)-of-(\d+)\.json")
 RECORD_EVERY_S = 1.0  # how often the manifest is rewritten while shards are written
-FORMAT = 2  # 2: shards recorded with their rows and checksums (a manifest per worker since shard=)
+FORMAT = 2  # 2: shards recorded with their rows and checksums (a manifest per worker since shard=; "writer" since)
+SAMPLED = 64  # values of each weight tensor in the weights' checksum: evenly spaced, exact bytes
 
 
 class CollectionError(ValueError):
@@ -57,6 +63,11 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
     only the selected rows travel back. ``shard=(rank, world)``: this worker collects batches
     ``rank, rank + world, ...`` of the same prompt list; ``world`` workers given the same arguments
     and folder together make the whole collection, read back by ``Collection(folder)`` as one.
+
+    A folder's rows come from one writer: the manifest records the model (class, config, a checksum
+    of sampled weight values), the dtype of the values and a mask function's code and the values it
+    reads. A rerun or a worker whose writer differs is refused (``CollectionError``, naming what
+    differs), and so is one onto a folder of an earlier nnterp that did not record its writer.
     """
     if isinstance(prompts, str):
         raise TypeError("collect takes a list of prompts, not one string (it would collect one row per character): "
@@ -72,10 +83,13 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
                 "batch_size": batch_size, "fingerprint": _fingerprint(prompts)}
     mine = list(range(0, len(prompts), batch_size))[rank::world]
     manifest = MANIFEST if world == 1 else f"manifest-{rank}-of-{world}.json"
-    own, done = _resume(folder, settings, manifest, mine)
+    if not remote and not model.dispatched:
+        model.dispatch()  # the first trace would: the weights' checksum needs them
+    writer_identity = _writer(model, positions, dtype, remote)
+    own, done = _resume(folder, settings, writer_identity, manifest, mine)
     todo = [start for start in mine if str(start) not in done]
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="collecting", unit="batch", disable=not progress)
-    with _ShardWriter(folder, manifest, settings, own) as writer:
+    with _ShardWriter(folder, manifest, settings, writer_identity, own) as writer:
         for start in todo:
             tensors, ready = _to_host(_collect_batch(model, prompts[start:start + batch_size], names, layers,
                                                      positions, dtype, remote))
@@ -95,7 +109,7 @@ def _worker(shard) -> tuple[int, int]:
     return rank, world
 
 
-def _resume(folder: Path, settings: dict, manifest: str, mine: list[int]) -> tuple[dict, dict]:
+def _resume(folder: Path, settings: dict, writer: dict, manifest: str, mine: list[int]) -> tuple[dict, dict]:
     """(this worker's shards, every worker's shards) already recorded and intact; a clear error otherwise."""
     if not folder.is_dir() or not _manifest_paths(folder):
         # only this worker's own batch files count: another worker may be writing its first shard right now
@@ -111,6 +125,17 @@ def _resume(folder: Path, settings: dict, manifest: str, mine: list[int]) -> tup
         if saved["settings"] != settings:
             raise CollectionError(f"{folder} holds a collection made with other settings ({saved['settings']}); use "
                                   "another folder, or delete it to start over.")
+    for name, saved in manifests.items():
+        if "writer" not in saved:
+            raise CollectionError(
+                f"{folder}/{name} does not record who wrote its values (it was written by an earlier nnterp), so this "
+                "run cannot be checked to write the same ones (model, dtype, mask function). Collection(folder) "
+                "reads it as it is; to collect, use a new folder, or delete this one to start over.")
+        differences = _differences(writer, saved["writer"], "this run", "the folder")
+        if differences:
+            raise CollectionError(
+                f"{folder}/{name} was written by another writer: {'; '.join(differences)}. Its rows and this run's "
+                "would not be the same values: use a new folder for this run, or delete this one to start over.")
     # a shard that is missing or damaged is collected again; one another worker wrote is not
     intact = {name: {start: shard for start, shard in saved["shards"].items() if _shard_problem(folder, shard) is None}
               for name, saved in manifests.items()}
@@ -173,8 +198,9 @@ class _ShardWriter:
     their number) and always on the way out; a kill redoes at most the last second's batches.
     """
 
-    def __init__(self, folder: Path, manifest: str, settings: dict, shards: dict):
-        self.folder, self.manifest, self.settings, self.shards = folder, manifest, settings, dict(shards)
+    def __init__(self, folder: Path, manifest: str, settings: dict, writer: dict, shards: dict):
+        self.folder, self.manifest, self.settings, self.writer = folder, manifest, settings, writer
+        self.shards = dict(shards)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnterp-shard-writer")
         self._pending: tuple[int, Future] | None = None
         self._unrecorded, self._recorded_at = 0, float("-inf")
@@ -197,7 +223,7 @@ class _ShardWriter:
 
     def _record(self) -> None:
         """Record the shards written so far (after them: a kill in between only redoes their batches)."""
-        _write_manifest(self.folder / self.manifest, self.settings, self.shards)
+        _write_manifest(self.folder / self.manifest, self.settings, self.shards, self.writer)
         self._unrecorded, self._recorded_at = 0, time.monotonic()
 
     def _wait(self) -> None:
@@ -245,8 +271,10 @@ def _selection(inputs, positions) -> torch.Tensor:
 class Collection:
     """A collection on disk, read back as tensors: ``collection["layer_output"]`` is ``[rows, layers, ...]``.
 
-    ``collection["layer_output", 1000:2000]`` (a slice, an int or a list of rows) reads only those
-    rows, through memory-mapped shards, so a collection larger than memory reads by parts.
+    ``collection["layer_output", 1000:2000]`` (a slice, an int, row numbers or a boolean mask, by
+    NumPy's rules) reads only those rows, through memory-mapped shards, so a collection larger than
+    memory reads by parts. The rows of writers that differ (model, dtype, mask function) are refused,
+    never merged or cast; ``writer`` is what the manifest records of them.
     Opening it checks every recorded shard (present, whole, unchanged) of every worker; ``complete``
     is true only when every batch is there, and ``missing`` lists the batches that are not.
     ``verify=False`` checks that each shard is there and of its recorded size, without reading it
@@ -262,6 +290,16 @@ class Collection:
                 f"{self.folder} holds manifests of different collections ({', '.join(manifests)}): the workers were "
                 "not given the same arguments. Keep the manifests (and shards) of one collection per folder.")
         self.settings = settings[0]
+        writers = {name: saved.get("writer") for name, saved in manifests.items()}
+        first = next(iter(writers))
+        for name, writer in writers.items():
+            differences = _differences(writers[first], writer, first, name)
+            if differences:
+                raise CollectionError(
+                    f"{self.folder} holds the rows of different writers ({'; '.join(differences)}): they are not the "
+                    "same values and are never merged. Keep one writer's manifests (and shards) per folder, or "
+                    "collect again into a new folder.")
+        self.writer = writers[first]  # who wrote the values (None: an earlier nnterp, which did not record it)
         self._shards = {start: shard for saved in manifests.values() for start, shard in saved["shards"].items()}
         problems = {start: _shard_problem(self.folder, shard, verify) for start, shard in self._shards.items()}
         damaged = {start: problem for start, problem in problems.items() if problem}
@@ -278,6 +316,12 @@ class Collection:
         self._first_rows = torch.tensor([0] + [shard["rows"] for shard in self._ordered]).cumsum(0)  # shard i: [i]:[i+1]
 
     def __getitem__(self, key) -> torch.Tensor:
+        """``collection[value, rows]`` is ``collection[value][rows]``, by NumPy's rules, reading only those rows.
+
+        ``rows``: an int (the row, squeezed), a slice (empty when it selects nothing, negative steps too),
+        integers in a list, tensor or array (their shape first: ``[33]`` gives ``[1, ...]``), or a boolean
+        mask of one entry per row. Negative indices count from the end; beyond the rows is an IndexError.
+        """
         if isinstance(key, tuple) and len(key) != 2:
             raise TypeError(f"index a collection as collection[value] or collection[value, rows], not {key!r}; "
                             "index the tensor it returns for the other dimensions.")
@@ -285,19 +329,48 @@ class Collection:
         name = value_name(value)  # "mlp.mlp_output" and "mlp_output" name the same value
         if name not in self.values:
             raise KeyError(f"{value!r} was not collected here; this collection holds {', '.join(self.values)}.")
-        try:
-            row = operator.index(rows)  # one row (an int, a numpy or 0-d tensor integer)
-        except TypeError:
-            return self._read(name, self._positions(rows))
-        return self._read(name, self._positions([row]))[0]
-
-    def _positions(self, rows) -> torch.Tensor:
+        if rows is Ellipsis:
+            rows = slice(None)
         if isinstance(rows, slice):
-            return torch.arange(*rows.indices(self.rows))
-        positions = torch.as_tensor(rows, dtype=torch.int64).flatten()
-        if positions.numel() and not (-self.rows <= positions.min() and positions.max() < self.rows):
-            raise IndexError(f"rows {rows} reach beyond this collection's {self.rows} rows.")
-        return positions % max(self.rows, 1)
+            start, stop, step = rows.indices(self.rows)  # Python's own rules: out of range clips, empty is empty
+            return self._read(name, start + step * torch.arange(len(range(start, stop, step))))
+        index = self._index(rows)
+        read = self._read(name, index.reshape(-1))
+        return read.reshape(*index.shape, *read.shape[1:])  # a 0-d index: the row itself
+
+    def _index(self, rows) -> torch.Tensor:
+        """Rows as an int64 tensor of the index's own shape, negatives counted from the end, checked."""
+        if isinstance(rows, (bool, np.bool_)) or (isinstance(rows, (torch.Tensor, np.ndarray)) and rows.ndim == 0
+                                                  and rows.dtype in (torch.bool, np.bool_)):
+            raise TypeError("a bool is not a row index: pass row numbers, or a boolean mask of one entry per row.")
+        if isinstance(rows, tuple):  # NumPy reads a tuple as one index per dimension
+            raise TypeError(f"rows {rows!r} are a tuple, which NumPy reads as one index per dimension: pass the row "
+                            "numbers as a list, and index the tensor returned for the other dimensions.")
+        if not isinstance(rows, (torch.Tensor, np.ndarray, list, range)):
+            try:
+                rows = operator.index(rows)  # an int, a numpy integer
+            except TypeError:
+                raise TypeError(f"rows are an int, a slice, row numbers (a list, tensor or array) or a boolean mask, "
+                                f"not {type(rows).__name__}.") from None
+        if isinstance(rows, (list, range)) and not len(rows):
+            return torch.zeros(0, dtype=torch.int64)  # as in NumPy: no row numbers, no rows (not a float index)
+        try:
+            index = torch.as_tensor(rows, device="cpu")
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"rows {rows!r} are not row numbers or a boolean mask ({error}).") from None
+        if index.dtype == torch.bool:
+            if index.shape != (self.rows,):
+                raise IndexError(f"a boolean mask of rows has one entry per row, {self.rows} here; this one has shape "
+                                 f"{tuple(index.shape)}.")
+            return index.nonzero().reshape(-1)
+        if index.dtype.is_floating_point or index.dtype.is_complex:
+            raise IndexError(f"row indices are integers (or a boolean mask), not {index.dtype}.")
+        index = index.to(torch.int64)
+        outside = index[(index < -self.rows) | (index >= self.rows)]
+        if outside.numel():
+            raise IndexError(f"rows {outside.unique().tolist()[:5]} reach beyond this collection's {self.rows} rows "
+                             f"(row numbers go from -{self.rows} to {self.rows - 1}).")
+        return index % max(self.rows, 1)
 
     def _read(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         """The rows at ``positions``, read shard by shard from the memory-mapped files into one tensor."""
@@ -313,6 +386,11 @@ class Collection:
             low, high = int(wanted.min()), int(wanted.max()) + 1
             with safe_open(self._files[shard], "pt") as file:
                 block = file.get_slice(name)[low:high]  # only these bytes of the file are read
+            if block.dtype != out.dtype:  # shards of two writers (an earlier nnterp did not record them)
+                raise CollectionError(
+                    f"{self._files[shard].name} holds {name} as {block.dtype}, {self._files[0].name} as {out.dtype}: "
+                    "the folder mixes the shards of writers of different dtypes, which are never cast into one. "
+                    "Collect again into a new folder.")
             contiguous = high - low == count and bool((wanted[1:] > wanted[:-1]).all())
             out[done:done + count] = block if contiguous else block[wanted - low]
             done += count
@@ -412,8 +490,8 @@ def _read_manifest(path: Path) -> dict:
                               "again, or use another folder.") from None
 
 
-def _write_manifest(path: Path, settings: dict, shards: dict) -> None:
-    text = json.dumps({"format": FORMAT, "settings": settings, "shards": shards}, indent=1)
+def _write_manifest(path: Path, settings: dict, shards: dict, writer: dict) -> None:
+    text = json.dumps({"format": FORMAT, "settings": settings, "writer": writer, "shards": shards}, indent=1)
     _write_atomically(path, lambda temporary: Path(temporary).write_text(text))
 
 
@@ -458,3 +536,128 @@ def _fingerprint(prompts: Sequence[str]) -> str:
         digest.update(prompt.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
+
+
+# -- who wrote the values --------------------------------------------------------------------------
+
+VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}  # not the model (dtype: weights)
+WRITER_FIELDS = {"model": "the model's class", "config": "the model's config", "weights": "the model's weights",
+                 "dtype": "the dtype of the values", "mask": "the positions mask function (its code or the values it reads)"}
+
+
+def _writer(model, positions, dtype, remote) -> dict:
+    """What makes the values: a resume, or another worker, must have the same to add rows to a folder."""
+    module = model._module
+    kind = type(module)
+    if remote:  # the server's weights are the checkpoint's, whatever this copy holds
+        weights = f"remote {model.repo_id}@{getattr(model, 'revision', None) or 'main'}"
+    else:
+        weights = _weights_digest(module)
+    return {"model": f"{kind.__module__}.{kind.__qualname__}",
+            "config": _digest(json.dumps(_without(json.loads(module.config.to_json_string(use_diff=False))),
+                                         sort_keys=True)),
+            "weights": weights, "dtype": str(dtype or module.dtype),
+            "mask": _mask_identity(positions) if callable(positions) else None}
+
+
+def _differences(ours: dict | None, theirs: dict | None, here: str, there: str) -> list[str]:
+    """What differs between two writers, in words; ``None`` is a manifest that records no writer."""
+    if ours is None or theirs is None:
+        return [] if ours is theirs else [f"{there if theirs is None else here} records no writer"]
+    shown = {"model", "dtype"}  # the others are digests: naming them says enough
+    order = [*WRITER_FIELDS, *sorted((set(ours) | set(theirs)) - set(WRITER_FIELDS))]  # a later nnterp's fields last
+    return [WRITER_FIELDS.get(field, field) + (f" ({ours.get(field)} in {here}, {theirs.get(field)} in {there})"
+                                               if field in shown else "")
+            for field in order if ours.get(field) != theirs.get(field)]
+
+
+def _without(config):
+    """A config without what differs between two copies of the same model (where it was loaded from, ...)."""
+    if isinstance(config, dict):
+        return {key: _without(value) for key, value in config.items() if key not in VOLATILE_CONFIG}
+    return [_without(value) for value in config] if isinstance(config, list) else config
+
+
+def _weights_digest(module: torch.nn.Module) -> str:
+    """A checksum of ``SAMPLED`` evenly spaced values of every weight: exact bytes, the same on every device."""
+    digest = hashlib.sha256()
+    buffers = [(f"{prefix}.{name}" if prefix else name, buffer) for prefix, owner in module.named_modules()
+               for name, buffer in owner._buffers.items()
+               if buffer is not None and name not in owner._non_persistent_buffers_set]
+    for name, tensor in [*module.named_parameters(), *buffers]:
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        if tensor.device.type == "meta" or not tensor.numel():  # offloaded: not here to read
+            continue
+        flat = tensor.detach().reshape(-1)
+        count = min(flat.numel(), SAMPLED)
+        picked = torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)  # integer steps: no rounding
+        digest.update(flat[picked.to(flat.device)].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _mask_identity(function) -> str:
+    """A digest that tells two mask functions apart across processes: code by its bytecode and constants, data by
+    its contents.
+
+    A function of the mask's own module is its code, its defaults, its closure's values and the values of
+    the globals it names; one of another module (a library's) is its name; a torch module is its
+    weights' checksum. Any other object is its type and repr (a repr holding an address differs
+    between processes: a resume with it is refused, never wrongly accepted).
+    """
+    home, seen = getattr(function, "__module__", None), set()
+
+    def cell_contents(cell):
+        try:
+            return describe(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            return "empty cell"
+
+    def describe(value):
+        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value).__name__, tuple(map(describe, value))
+        if isinstance(value, (set, frozenset)):
+            return "set", tuple(sorted(repr(describe(item)) for item in value))
+        if isinstance(value, dict):
+            return "dict", tuple(sorted((repr(describe(k)), repr(describe(v))) for k, v in value.items()))
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return "tensor", str(value.dtype), tuple(value.shape), _digest(data)
+        if isinstance(value, np.ndarray):
+            return "array", value.dtype.str, value.shape, _digest(np.ascontiguousarray(value).tobytes())
+        if isinstance(value, types.CodeType):
+            return ("code", value.co_code, describe(value.co_consts), value.co_names, value.co_varnames,
+                    value.co_freevars, value.co_argcount, value.co_kwonlyargcount)
+        named = (types.ModuleType, type, types.BuiltinFunctionType)
+        if isinstance(value, named) or (isinstance(value, types.FunctionType) and value.__module__ != home):
+            return type(value).__name__, getattr(value, "__module__", None), getattr(value, "__qualname__", value.__name__)
+        if id(value) in seen:  # a function that names itself
+            return "again", getattr(value, "__qualname__", type(value).__qualname__)
+        seen.add(id(value))
+        if isinstance(value, types.FunctionType):
+            code, defined = value.__code__, value.__globals__
+            return ("function", describe(code), describe(value.__defaults__), describe(value.__kwdefaults__),
+                    tuple(map(cell_contents, value.__closure__ or ())),
+                    tuple((name, describe(defined[name])) for name in sorted(_names(code)) if name in defined))
+        if isinstance(value, types.MethodType):
+            return "method", describe(value.__func__), describe(value.__self__)
+        if isinstance(value, functools.partial):
+            return "partial", describe(value.func), describe(value.args), describe(value.keywords)
+        if isinstance(value, torch.nn.Module):  # a module read by the mask: its weights' checksum, not all of them
+            return "module", describe(type(value)), _weights_digest(value)
+        if value is function or value is getattr(function, "__self__", None):  # the mask's own object: its data
+            call = type(value).__call__ if value is function else None
+            return "data", describe(type(value)), describe(call), describe(getattr(value, "__dict__", None))
+        return "object", describe(type(value)), repr(value)
+
+    return _digest(repr(describe(function)))
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Every name ``code`` and the functions inside it look up (globals among them)."""
+    return set(code.co_names).union(*(_names(const) for const in code.co_consts if isinstance(const, types.CodeType)))
+
+
+def _digest(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()[:24]
