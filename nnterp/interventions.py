@@ -6,18 +6,98 @@ the catalog by name), so it means the same thing on every family.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import nnsight
 import torch
+from nnsight.intervention.interleaver import Mediator
 from tqdm.auto import tqdm
 
-from .edits import Positions, add_to, skip_layers  # noqa: F401  (add_to, skip_layers: part of the toolkit's API)
+from . import edits
+from .edits import Positions, skip_layers  # noqa: F401  (skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
 from .selection import forward_order, layer_indices, token_index, value_name
 
 # -- steering -------------------------------------------------------------------------------------
+
+def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", factor: float = 1.0,
+           positions: Positions = None, batch: Positions = None) -> None:
+    """Inside a trace: add ``factor * vector`` in place to ``value`` at ``layers``, ``positions`` and ``batch`` rows.
+
+    ``vector`` has the value's last dimension (``hidden_size`` for the stream and the contributions).
+    ``positions`` are each prompt's own tokens (``0`` its first, ``-1`` its last, a list or a slice of
+    them), whichever side the tokenizer pads, found through the batch's attention mask; a position
+    beyond a prompt's tokens is an error. ``batch`` indexes the rows of the batch. ``None``: all.
+    With ``positions``, the first ``add_to`` of a forward pass comes before the trace reads any value
+    of the pass: it reads the mask from the model's inputs, which come first.
+    """
+    if positions is None:
+        return edits.add_to(model, layers, vector, value, factor, None, batch)
+    if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
+        raise TypeError("add_to's positions are token positions (ints or a slice), not a boolean mask.")
+    mask = _attention_mask(model)
+    groups = None
+    for layer in forward_order(layer_indices(model, layers)):
+        if groups is None:  # the same for every layer: each row's columns in this forward pass
+            groups = _own_columns(mask, positions, batch, model.read_value(layer, value_name(value)).shape[1])
+        for columns, rows in groups:
+            edits.add_to(model, layer, vector, value, factor, columns, rows)
+
+
+def _attention_mask(model) -> torch.Tensor | None:
+    """Inside a trace: the batch's ``[batch, seq]`` attention mask (None: no padding), from the model's inputs.
+
+    Read once per forward pass and kept on nnsight's mediator (one per invoke and trace), as
+    ``locations.leading_shape`` keeps a block's shape, so a later ``add_to`` of the pass reuses it. A pass
+    is the occurrence of the model's output a request made now asks for: the same through a generation
+    step's pin and its relaxing after the step's first value.
+    """
+    mediator = Mediator.current("add_to's positions")
+    masks = mediator.__dict__.setdefault("_nnterp_attention_mask", {})
+    key = mediator.wanted(f"{model.path}.output")
+    if key not in masks:
+        if mediator.occurrence(f"{model.path}.input") > key:  # nnsight would wait for the next pass's inputs
+            raise ValueError("add_to(..., positions=...) finds each prompt's own tokens through the batch's attention "
+                             "mask, read from the model's inputs, and this forward pass has already run past them: "
+                             "call add_to before reading any value of the pass.")
+        mask = model.inputs[1].get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"add_to(..., positions=...) needs the batch's [batch, seq] attention mask to find each "
+                             f"prompt's own tokens; this trace's attention mask has shape {tuple(mask.shape)}.")
+        masks[key] = mask
+    return masks[key]
+
+
+def _own_columns(mask, positions, batch, seq: int) -> list[tuple[Positions, Positions]]:
+    """``[(columns, rows)]``: the columns of the value (``seq`` long) holding each row's own tokens ``positions``,
+    rows with the same columns together. A generation step with a cache holds the mask's last ``seq`` columns."""
+    if mask is None:  # no padding: the value's columns are the prompts' own positions
+        return [(positions, batch)]
+    mask = mask.detach().bool().cpu()
+    rows = torch.arange(mask.shape[0])[slice(None) if batch is None else batch].reshape(-1)
+    selected = mask[rows]
+    if isinstance(positions, slice):  # each row's own tokens in the slice
+        columns = [own.nonzero().flatten()[positions].tolist() for own in selected]
+    else:
+        try:
+            wanted = [token_index(selected, int(p)) for p in torch.as_tensor(positions).reshape(-1).tolist()]
+        except IndexError as error:  # token_index counts the selected rows
+            raise IndexError(str(error) if batch is None else f"{str(error)[:-1]}, counting the prompts among the rows "
+                             f"batch={batch} selects.") from None
+        columns = torch.stack(wanted, dim=1).tolist()
+    offset = mask.shape[1] - seq
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, own in zip(rows.tolist(), columns):
+        if own and min(own) < offset:
+            raise IndexError(f"Position {positions} of prompt {row} is not in this forward pass, which runs only the "
+                             f"last {seq} of its {mask.shape[1]} tokens (a generation step with a cache).")
+        if own:
+            groups.setdefault(tuple(c - offset for c in own), []).append(row)
+    if batch is None and len(groups) == 1 and len(next(iter(groups.values()))) == mask.shape[0]:
+        return [(list(next(iter(groups))), None)]  # every row alike (no padding): one edit of the whole batch
+    return [(list(columns), rows) for columns, rows in groups.items()]
+
 
 def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str = "layer_output",
                      factor: float = 1.0, scope: str | range = "all", positions: Positions = None,
@@ -27,9 +107,11 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
 
     ``scope`` is ``"prompt"`` (the forward pass over the prompt only), ``"generated"`` (every
     generated step, not the prompt), ``"all"`` (both), or a ``range`` of step numbers (step 0
-    is the prompt, step k the k-th generated token). ``positions`` apply to the prompt step;
-    a generated step steers its one new position. The generation runs exactly
-    ``max_new_tokens`` steps (``min_new_tokens`` is set to it) so that every scope is reached.
+    is the prompt, step k the k-th generated token). ``positions`` apply to the prompt step, as
+    each prompt's own tokens (``add_to``'s); a generated step steers its one new position. A
+    right-padded batch is refused: its shorter prompts would continue after their padding. The
+    generation runs exactly ``max_new_tokens`` steps (``min_new_tokens`` is set to it) so that
+    every scope is reached.
     The arguments after ``prompts`` are ``add_to``'s: ``layers``, ``vector``, then by name
     ``value``, ``factor``, ``positions``, ``batch``. Returns the token ids, prompt included.
     """
@@ -37,6 +119,7 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
         raise TypeError("steered_generate(model, prompts, layers, vector, ...): the layers come before the vector, "
                         "as in add_to(model, layers, vector); the call passed the vector first.")
     steps = _scope_steps(scope, max_new_tokens)
+    _refuse_right_padding(model, prompts)
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs["min_new_tokens"] = max_new_tokens
     with torch.no_grad(), model.generate(prompts, max_new_tokens=max_new_tokens, remote=remote,
@@ -46,6 +129,17 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
                 add_to(model, layers, vector, value, factor, positions if step == 0 else None, batch)
         ids = nnsight.save(tracer.result)
     return ids
+
+
+def _refuse_right_padding(model, prompts) -> None:
+    """A batch whose shorter prompts end in padding would generate after it: refused."""
+    mask = prompts.get("attention_mask") if isinstance(prompts, Mapping) else None
+    if mask is None and isinstance(prompts, (list, tuple)) and all(isinstance(p, str) for p in prompts):
+        mask = model.tokenizer(list(prompts), return_tensors="pt", padding=True).attention_mask
+    if mask is not None and not bool(torch.as_tensor(mask)[:, -1].all()):
+        raise ValueError("steered_generate: this batch of prompts is right-padded, so its shorter prompts would "
+                         "continue after their padding. Pad on the left (model.tokenizer.padding_side = 'left', "
+                         "nnsight's default for decoders) or generate one prompt at a time.")
 
 
 def _scope_steps(scope: str | range, max_new_tokens: int) -> set[int]:
@@ -65,12 +159,16 @@ def _scope_steps(scope: str | range, max_new_tokens: int) -> set[int]:
 # -- activation patching ---------------------------------------------------------------------------
 
 def logit_difference(correct: int, incorrect: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A metric: last-position logit of ``correct`` minus that of ``incorrect``, per batch row."""
+    """A metric: last-position logit of ``correct`` minus that of ``incorrect``, per batch row.
+
+    It reads the last column of the logits: each prompt's last token in ``activation_patching`` (never
+    padded) and in a left-padded batch, a pad in a right-padded one.
+    """
     return lambda logits: logits[:, -1, correct] - logits[:, -1, incorrect]
 
 
 def target_probability(token: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A metric: last-position probability of ``token``, per batch row."""
+    """A metric: last-position probability of ``token``, per batch row (the last column, as ``logit_difference``)."""
     return lambda logits: logits[:, -1].softmax(dim=-1)[:, token]
 
 
@@ -234,14 +332,15 @@ def _patched_next_token_probs(model, prompts, indices, layers, latents, remote, 
     """``[prompts, layers, vocab]``: next-token probabilities with value ``name`` of row ``j`` at its own token
     ``indices[j]`` replaced by ``latents[k][j]``, one trace per layer ``k``, on the CPU."""
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
-    rows = torch.arange(len(prompts))
+    rows, last = torch.arange(len(prompts)), token_index(inputs.attention_mask, -1)
     patched = torch.stack([token_index(inputs.attention_mask[j:j + 1], int(i))[0] for j, i in enumerate(indices)])
     probs = []
     for k, layer in enumerate(layers):
         with torch.no_grad(), model.trace(inputs, remote=remote):
             value = model.read_value(layer, name)
             value[rows, patched.to(value.device)] = latents[k].to(device=value.device, dtype=value.dtype)
-            layer_probs = nnsight.save(model.next_token_probs.cpu())
+            logits = model.logits
+            layer_probs = nnsight.save(logits[rows, last.to(logits.device)].softmax(dim=-1).cpu())
         probs.append(layer_probs)  # after the trace: a remote run returns saved values, not edited lists
     return torch.stack(probs, dim=1)
 
@@ -304,12 +403,16 @@ def patch_object_attn_lens(model, source_prompts, target_prompts, attn_idx_patch
     rows, last = torch.arange(len(source_prompts)), token_index(inputs.attention_mask, -1)
     with torch.no_grad(), model.trace(inputs):
         sources = nnsight.save([model.layers[layer].self_attn.input[rows, last] for layer in range(model.num_layers)])
+    targets = model.tokenizer(target_prompts, return_tensors="pt", padding=True)
+    # each target's own token attn_idx_patch and its own last token, whichever side pads
+    rows, at, last = (torch.arange(len(target_prompts)), token_index(targets.attention_mask, attn_idx_patch),
+                      token_index(targets.attention_mask, -1))
     probs = []
     for layer in range(model.num_layers):
-        with torch.no_grad(), model.trace(target_prompts):
+        with torch.no_grad(), model.trace(targets):
             for patched in range(layer, min(model.num_layers, layer + num_patches)):
-                model.layers[patched].self_attn.input[:, attn_idx_patch] = sources[patched]
-            layer_probs = nnsight.save(model.next_token_probs.cpu())
+                model.layers[patched].self_attn.input[rows, at] = sources[patched]
+            layer_probs = nnsight.save(model.logits[rows, last].softmax(dim=-1).cpu())
         probs.append(layer_probs)
     return torch.stack(probs, dim=1)
 

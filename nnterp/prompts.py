@@ -114,7 +114,7 @@ def tokenizer_of(tokenizer_or_model):
 def run_prompts(model, prompts: Sequence[Prompt], batch_size: int = 32,
                 get_probs: Callable | None = None, progress: bool = True,
                 remote: bool | str = False) -> dict[str, torch.Tensor]:
-    """Target probabilities of every prompt, batched with left padding.
+    """Target probabilities of every prompt, batched (padded on either side: each prompt's own last token counts).
 
     ``get_probs(model, texts)`` returns next-token probabilities ``[batch, vocab]`` (the default)
     or ``[batch, layers, vocab]`` (e.g. ``nnterp.lens.logit_lens``). Returns, per category, a
@@ -133,9 +133,14 @@ def run_prompts(model, prompts: Sequence[Prompt], batch_size: int = 32,
 
 
 def next_token_probabilities(model, texts: Sequence[str], remote: bool | str = False) -> torch.Tensor:
-    """``[batch, vocab]`` next-token probabilities of a (left-padded) batch."""
+    """``[batch, vocab]`` next-token probabilities after each text's own last token, whichever side pads."""
     import nnsight
 
-    with torch.no_grad(), model.trace(list(texts), remote=remote):
-        probs = nnsight.save(model.next_token_probs)
+    from .selection import token_index
+
+    inputs = model.tokenizer(list(texts), return_tensors="pt", padding=True)
+    rows, last = torch.arange(len(texts)), token_index(inputs.attention_mask, -1)
+    with torch.no_grad(), model.trace(inputs, remote=remote):
+        logits = model.logits
+        probs = nnsight.save(logits[rows, last.to(logits.device)].softmax(dim=-1))
     return probs.float().cpu()
