@@ -16,6 +16,8 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
     from .lens import _lens_table, logit_lens
 
     start = time.perf_counter()
+    if not model_path:
+        _announce_conversion()
     model = StandardizedTransformer(model_path) if model_path else load_embedded()
     print(f"Loaded {model_path or NAME} ({model.family.name}, {model.num_layers} layers, "
           f"hidden {model.hidden_size}) in {time.perf_counter() - start:.1f} s\n")
@@ -39,15 +41,31 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
     print(f"\nDone in {time.perf_counter() - start:.1f} s.")
 
 
+def _announce_conversion() -> None:
+    """Say so before the embedded model's first use converts it (the folder embedded_model_path() looks for)."""
+    from .cache import cache_root
+    from .embedded import NAME
+
+    folder = cache_root() / NAME
+    if not ((folder / "config.json").is_file() and (folder / "model.safetensors").is_file()):
+        print(f"First run: converting {NAME} once into {folder}, which takes a minute or two on a 2-core "
+              "machine; later runs load it in about a second.")
+
+
 def _write_plot(model, prompt: str, path: str, target: str | None = None) -> None:
+    import importlib.util
+    from pathlib import Path
+
     from .plots import plot_logit_lens
 
     try:
-        written = plot_logit_lens(model, prompt, path, target=target)
+        written = Path(plot_logit_lens(model, prompt, path, target=target)).resolve()
     except ModuleNotFoundError as error:
         print(f"(no picture: {error})")
         return
-    print(f"Wrote the logit-lens heatmap to {written}")
+    # the full path: the default is a file name, written into the folder the command runs in
+    page = f", and its interactive page to {written.with_suffix('.html')}" if importlib.util.find_spec("plotly") else ""
+    print(f"Wrote the logit-lens heatmap to {written}{page} (--plot PATH writes it elsewhere, --plot '' not at all)")
 
 
 def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> None:
@@ -56,6 +74,8 @@ def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> 
     from .lens import _lens_table, logit_lens
     from .standardized import StandardizedTransformer
 
+    if model_name == "embedded":
+        _announce_conversion()
     with _quiet_if(model_name == "embedded"):
         model = StandardizedTransformer(str(embedded_model_path()) if model_name == "embedded" else model_name)
     print(_lens_table(model, logit_lens(model, prompt)[0], target))
@@ -141,12 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--target", default=" Paris",
                      help="a one-token answer whose probability the lens follows, leading space included (default: %(default)r)")
     run.add_argument("--layer", type=int, default=5, help="the block whose residual stream is shown (default: %(default)s)")
-    run.add_argument("--plot", default="nnterp-logit-lens.png", help="where to write the heatmap ('' for none)")
+    run.add_argument("--plot", default="nnterp-logit-lens.png",
+                     help="where to write the heatmap (default: %(default)s in the current folder; '' for none)")
     lensing = commands.add_parser("lens", help="a prompt's logit lens: a table, and a heatmap PNG")
     lensing.add_argument("--model", default="embedded", help="a local model folder, a hub name, or 'embedded'")
     lensing.add_argument("--prompt", required=True, help="the text to read")
     lensing.add_argument("--target", help="a one-token answer to follow, leading space included, e.g. ' Paris'")
-    lensing.add_argument("--plot", default="logit_lens.png", help="where to write the heatmap ('' for none)")
+    lensing.add_argument("--plot", default="logit_lens.png",
+                         help="where to write the heatmap (default: %(default)s in the current folder; '' for none)")
     checker = commands.add_parser("check", help="where every value of a model is read, and whether the spec holds")
     checker.add_argument("model", help="a local model folder, a hub name, or 'embedded'")
     docs = commands.add_parser("docs", help="regenerate the family, names, availability and layer pages")

@@ -8,6 +8,7 @@ maintain.
 from __future__ import annotations
 
 import dataclasses
+import html
 import inspect
 import re
 import shutil
@@ -31,14 +32,25 @@ def slug(family: Family) -> str:
     return re.sub(r"[^a-z0-9]+", "-", family.name.lower()).strip("-")
 
 
+def _described(location: At) -> str:
+    """A location as Markdown: its path as code, its notes ("(viewed per head)", ...) as prose.
+
+    Code in a table never breaks inside a name (docs/stylesheets/extra.css); the path to an operation inside a
+    module (``.source.``) is too long for one line of a table at the page's width, so it may break after a dot.
+    """
+    path, notes, rest = location.describe().partition(" (")
+    code = (f"<code>{html.escape(path).replace('.', '.<wbr>')}</code>" if ".source." in path else f"`{path}`")
+    return code + (f" ({rest}" if notes else "")
+
+
 def _where(block: Block, name: str) -> str:
     location = block.values[name]
     if isinstance(location, SameAs):
         resolved = block.resolve(name)
-        return f"same as `{location.name}` (`{resolved.describe()}`)" if isinstance(resolved, At) else "—"
+        return f"same as `{location.name}` ({_described(resolved)})" if isinstance(resolved, At) else "—"
     if isinstance(location, Unavailable):
         return f"unavailable: {location.reason}"
-    return f"`{location.describe()}`"
+    return _described(location)
 
 
 @dataclasses.dataclass
@@ -158,7 +170,7 @@ def family_page(family: Family) -> str:
                   "", f"```\n{block.formula}\n```", ""]
         if block.extra:
             lines += ["Other terms of the identity: " + ", ".join(
-                f"`{name}` = `{location.describe()}`" for name, location in block.extra.items()) + ".", ""]
+                f"`{name}` = {_described(location)}" for name, location in block.extra.items()) + ".", ""]
         if not isinstance(family.attention_of(shape.config), Unavailable) and isinstance(
                 block.resolve("attention_output"), At):  # (not on a hybrid's blocks without attention)
             lines += ["The values inside the attention (`queries` to `attention_probabilities`) are read inside "
@@ -251,15 +263,57 @@ def layer_page() -> str:
     return "\n".join(lines)
 
 
+# the sections of the families index and of the site's navigation, in this order (``group`` places a family)
+GROUPS = {
+    "Decoders": "Attention mixes the tokens on every block.",
+    "Hybrids": "Attention on some blocks and another token mixer (Mamba, a linear attention, a convolution, a "
+               "recurrence) on the others, or both on one block ([hybrids](../guide/hybrids.md)).",
+    "Recurrent": "No attention adds to the stream: another token mixer on every block "
+                 "([hybrids](../guide/hybrids.md)).",
+    "Looped": "A section of blocks runs several times in each forward pass "
+              "([looped blocks](../guide/hybrids.md#looped-blocks)).",
+    "Multimodal": "An image, audio or speech model whose language model is a served decoder.",
+}
+
+
+def group(family: Family, found: list[Shape] | None = None) -> str:
+    """The family's section in ``GROUPS``, from its spec: a schedule that runs blocks more than once is looped; an
+    image-text config or a spec of ``families.multimodal`` is multimodal; otherwise what mixes the tokens on its
+    blocks (over its documented configurations): attention, another mixer (``mixer_output`` placed apart), or both."""
+    from .families.multimodal import MULTIMODAL
+
+    if family.schedule:
+        return "Looped"
+    if family.name in {f.name for f in MULTIMODAL} or any(hasattr(config, "text_config") for _, config in configs(family)):
+        return "Multimodal"
+    found = shapes(family) if found is None else found
+    attends = any(not isinstance(shape.block.resolve("attention_output"), Unavailable) for shape in found)
+    mixes_otherwise = any(isinstance(shape.block.values["mixer_output"], At) for shape in found)
+    if mixes_otherwise:
+        return "Hybrids" if attends else "Recurrent"
+    return "Decoders"
+
+
+def grouped() -> dict[str, list[tuple[Family, list[Shape]]]]:
+    """Every family with its block shapes, under its group, by name within a group."""
+    groups: dict[str, list[tuple[Family, list[Shape]]]] = {name: [] for name in GROUPS}
+    for family in sorted(FAMILIES, key=lambda f: f.name.casefold()):
+        found = shapes(family)
+        groups[group(family, found)].append((family, found))
+    return groups
+
+
 def families_index() -> str:
     lines = [GENERATED, "# Families", "", "One page per family: where each value is read, the identity, what is "
              "unavailable and why. A family has more than one block shape where its layers differ (dense and "
-             "mixture-of-experts layers) or its configurations do (parallel or sequential blocks, other norms).", "",
-             "| family | model types | block shapes |", "|---|---|---|"]
-    for family in FAMILIES:
-        lines.append(f"| [{family.name}]({slug(family)}.md) | {', '.join(f'`{t}`' for t in family.model_types)} | "
-                     f"{len(shapes(family))} |")
-    return "\n".join(lines) + "\n"
+             "mixture-of-experts layers) or its configurations do (parallel or sequential blocks, other norms).", ""]
+    # the site's navigation is read from these sections (mkdocs_hooks.py): one per group, a link per family
+    for name, members in grouped().items():
+        lines += [f"## {name}", "", GROUPS[name], "", "| family | model types | block shapes |", "|---|---|---|"]
+        lines += [f"| [{family.name}]({slug(family)}.md) | {', '.join(f'`{t}`' for t in family.model_types)} | "
+                  f"{len(found)} |" for family, found in members]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def coverage_page() -> str:

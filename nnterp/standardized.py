@@ -330,6 +330,7 @@ class StandardizedTransformer(TransformersModel):
     # -- model-level names --------------------------------------------------------------
     @property
     def family(self) -> Family:
+        """The family spec this model's values are read by (module paths, block specs)."""
         return self._nnterp_family
 
     @property
@@ -344,10 +345,13 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def num_layers(self) -> int:
+        """The number of blocks, len(model.layers) (a looped model's blocks once each; schedule lists the calls)."""
         return len(self.layers)
 
     @property
     def hidden_size(self) -> int:
+        """The width of the residual stream (the text config's hidden_size): the last dimension of layer_input,
+        layer_output and the contributions."""
         return self._nnterp_text_config.hidden_size
 
     @property
@@ -380,6 +384,7 @@ class StandardizedTransformer(TransformersModel):
 
     @property
     def vocab_size(self) -> int:
+        """The text config's vocabulary size, which the head projects onto."""
         return self._nnterp_text_config.vocab_size
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:

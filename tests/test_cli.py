@@ -19,7 +19,7 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["check", "/nonexistent/folder"], "check: error: Could not load '/nonexistent/folder'"),
+    (["check", "/nonexistent/folder"], "check: error: No model folder at '/nonexistent/folder'"),
     (["lens", "--model", "{folder}", "--prompt", ""], "lens: --prompt is empty"),
     (["lens", "--model", "{folder}", "--prompt", "the cat", "--target", "cat sat", "--plot", ""],
      "lens: error: The target 'cat sat' is 2 tokens"),
@@ -62,3 +62,13 @@ def test_every_option_says_what_it_is(command, capsys):
     options = capsys.readouterr().out.split("options:")[1].splitlines()[1:]
     flags = [line.split() for line in options if line.lstrip().startswith("--") and not line.lstrip().startswith("--help")]
     assert all(len(words) > 2 for words in flags), flags  # "--flag VALUE" then its help text
+
+
+def test_lens_says_where_it_wrote_its_heatmap(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "model"
+    build_tiny(BY_MODEL_TYPE["llama"].tiny_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    main(["lens", "--model", str(folder), "--prompt", "the cat sat"])
+    written = tmp_path / "logit_lens.png"
+    assert written.is_file() and str(written.resolve()) in capsys.readouterr().out
