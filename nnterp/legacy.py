@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 
 import torch
@@ -195,13 +196,17 @@ def detect_layer_output_type(self) -> None:
 def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, positions=None, token_positions=None,
           batch_index=None, value: str = "layer_output") -> None:
     """Inside a trace: add ``factor * steering_vector`` to ``value`` at ``layers`` (``positions`` is 1.x's name)."""
-    deprecated("model.steer(layers, vector, factor, token_positions, batch_index)",
-               "nnterp.add_to(model, layers, vector, value, factor, positions, batch)")
+    if positions is not None and token_positions is not None:
+        raise ValueError("Cannot specify both positions and token_positions: pass token_positions only (positions is "
+                         "its deprecated 1.x name).")
+    # one warning per call, as in 1.x (which warned only for positions=)
     if positions is not None:
-        deprecated("steer(positions=...)", "steer(token_positions=...) or nnterp.add_to(..., positions=...)")
-        if token_positions is not None:
-            raise ValueError("Pass token_positions only (positions is its deprecated 1.x name).")
+        deprecated("model.steer(..., positions=...)", "nnterp.add_to(model, layers, vector, value, factor, positions, "
+                   "batch) (steer's own name for it was token_positions)")
         token_positions = positions
+    else:
+        deprecated("model.steer(layers, vector, factor, token_positions, batch_index)",
+                   "nnterp.add_to(model, layers, vector, value, factor, positions, batch)")
     from .edits import add_to
 
     add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
@@ -219,12 +224,148 @@ def skip_layer(self, layer: int, skip_with: torch.Tensor | None = None) -> None:
     _skip_layers(self, layer, layer, skip_with)
 
 
-# 1.x constructor options: what each becomes, or why it is refused
-UNSUPPORTED_OPTIONS = {
-    "rename_config": "a RenameConfig",
-    "attn_rename": "attn_rename",
-    "rename": "a rename dict",
-}
+# 1.x's rename options, by the standard name each gave: RenameConfig's fields, and the constructor options of
+# nnterp before 1.0 (1.x's own error messages still named them)
+RENAME_FIELDS = {"model_name": "model", "layers_name": "layers", "attn_name": "self_attn", "mlp_name": "mlp",
+                 "ln_final_name": "ln_final", "lm_head_name": "lm_head"}
+RENAME_OPTIONS = {"model_rename": "model", "layers_rename": "layers", "attn_rename": "self_attn",
+                  "mlp_rename": "mlp", "ln_final_rename": "ln_final", "lm_head_rename": "lm_head"}
+STANDARD_MODULES = ("model", "layers", "embed_tokens", "self_attn", "mlp", "ln_final", "lm_head")
+# RenameConfig's config keys, by the model attribute they set
+CONFIG_KEYS = {"attn_head_config_key": "num_heads", "hidden_size_config_key": "hidden_size",
+               "vocab_size_config_key": "vocab_size"}
+
+
+def _names(value) -> list:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def pop_renames(kwargs: dict) -> tuple[list[tuple[str, str, str]], object]:
+    """Take 1.x's rename options out of ``kwargs``: ``(option as written, native name, standard name)`` for each
+    name they give, and the ``RenameConfig`` (or None)."""
+    claims = [(f"{option}={name!r}", name, alias) for option, alias in RENAME_OPTIONS.items()
+              for name in _names(kwargs.pop(option, None))]
+    config = kwargs.pop("rename_config", None)
+    if config is not None:
+        claims += [(f"RenameConfig({field}={name!r})", name, alias) for field, alias in RENAME_FIELDS.items()
+                   for name in _names(getattr(config, field))]
+    claims += [(f"rename={{{native!r}: {alias!r}}}", native, alias)
+               for native, aliases in (kwargs.pop("rename", None) or {}).items() for alias in _names(aliases)]
+    return claims, config
+
+
+def _blocks(root: torch.nn.Module, family) -> list[str]:
+    return [f"{blocks}.{i}" for blocks in family.block_lists for i in range(len(root.get_submodule(blocks)))]
+
+
+def _placed(root: torch.nn.Module, family, alias: str) -> dict[str, torch.nn.Module]:
+    """Where ``family`` places the standard module ``alias`` in ``root``, by path."""
+    def at(path):
+        try:
+            return {path: root.get_submodule(path)} if path else {}
+        except AttributeError:
+            return {}
+
+    if alias in ("self_attn", "mlp"):
+        native = family.attention if alias == "self_attn" else family.mlp
+        classes = tuple(key for key, names in family.rename().items() if isinstance(key, type)
+                        and alias in _names(names))
+        found = {}
+        for block in _blocks(root, family):
+            if native and family.attention != family.mlp:  # one native name for both: placed by class
+                found.update(at(f"{block}.{native}"))
+            found.update({f"{block}.{name}": sub for name, sub in root.get_submodule(block).named_children()
+                          if isinstance(sub, classes)})
+        return found
+    if alias == "layers":
+        return {path: module for blocks in family.block_lists for path, module in at(blocks).items()}
+    backbone = family.layers.rpartition(".")[0].partition(".")[0]
+    return at({"model": backbone, "embed_tokens": family.embed_tokens, "ln_final": family.ln_final,
+               "lm_head": family.lm_head}[alias])
+
+
+def _resolve(root: torch.nn.Module, family, name: str, alias: str) -> dict[str, torch.nn.Module]:
+    """What a 1.x rename key named as ``alias``, by path: ``name`` (dotted, ``*`` for any child) from where the
+    alias is read (each block for a sublayer; the model, its backbone and the module's parent otherwise), as
+    nnsight binds a key wherever it resolves."""
+    if alias in ("self_attn", "mlp"):
+        hosts = _blocks(root, family)
+    else:
+        backbone = family.layers.rpartition(".")[0].partition(".")[0]
+        hosts = dict.fromkeys(["", backbone, *(path.rpartition(".")[0] for path in _placed(root, family, alias))])
+    found = {}
+    for host in hosts:
+        reached = [(host, root.get_submodule(host))]
+        for part in name.split("."):
+            reached = [(f"{at}.{child}".lstrip("."), sub) for at, here in reached
+                       for child, sub in here.named_children() if part in ("*", child)]
+        found.update(reached)
+    return found
+
+
+def _where(paths) -> str:
+    """Paths, one per block list: ``model.layers.*.self_attn``."""
+    return ", ".join(dict.fromkeys(re.sub(r"\.\d+(\.|$)", r".*\1", path) for path in paths)) or "nowhere"
+
+
+def check_renames(root: torch.nn.Module, family, claims, config, validate: bool = True, model=None,
+                  own_aliases: bool = False) -> None:
+    """Accept 1.x's rename options where they name what ``family`` places (a warning says to drop them); refuse
+    one that contradicts it. A name that matches no module is refused, or ignored with a warning where the
+    model is not validated (``check_renaming=False``: 1.x ignored it too). ``own_aliases``: let names
+    other than the standard ones through (a plain nnsight model takes them)."""
+    from . import rename_utils
+
+    def refuse(what: str):
+        raise TypeError(f"{what}. Modules are placed by the {family.name} family spec, proven on a miniature of "
+                        "the config: drop the option, or add a spec for your architecture (docs: Migrating from 1.x).")
+
+    if config is not None and config.attn_prob_source is not None:
+        refuse("RenameConfig(attn_prob_source=) is not taken: the attention probabilities are read where the spec "
+               "says (model.availability(i) shows where)")
+    accepted = []
+    for option, native, alias in claims:  # option: as the user wrote it
+        alias = alias.rpartition(".")[2]  # nnsight's dotted alias names its host: the standard name is the last part
+        if alias not in STANDARD_MODULES:
+            if own_aliases:
+                continue
+            refuse(f"{option} gives {native!r} your own name {alias!r}: StandardizedTransformer takes only the "
+                   f"standard names ({', '.join(STANDARD_MODULES)}); read the module by its native name, or wrap the "
+                   "model with nnsight.LanguageModel(..., rename=...)")
+        named, placed = _resolve(root, family, native, alias), _placed(root, family, alias)
+        where = _where(placed)
+        other = [path for path, module in named.items() if not any(module is p for p in placed.values())]
+        if other:
+            refuse(f"{option} names {_where(other)} as {alias}, but the spec places {alias} at {where}: the two "
+                   "contradict")
+        if named:
+            accepted.append((option, f"nothing (the {family.name} spec places {alias} there)"))
+        elif validate:
+            refuse(f"{option} names no module of this {type(root).__name__} where {alias} is read (the spec places "
+                   f"{alias} at {where})")
+        else:  # check_renaming=False: 1.x ignored a name that matched nothing
+            accepted.append((option, f"nothing (it names no module of this model, so it is ignored; the spec "
+                                     f"places {alias} at {where})"))
+    for field, attribute in CONFIG_KEYS.items():
+        custom = None if config is None else getattr(config, field)
+        if custom is None:
+            continue
+        defaults = {"num_heads": rename_utils.default_attn_head_config_keys,
+                    "hidden_size": rename_utils.default_hidden_size_config_keys,
+                    "vocab_size": rename_utils.default_vocab_size_config_keys}[attribute]()
+        given = rename_utils._config_value(root, defaults, custom, False, attribute)  # what 1.x read
+        expected = (getattr(model, attribute) if model is not None
+                    else rename_utils._config_value(root, defaults, None, False, attribute))
+        if expected is not None and given != expected:
+            refuse(f"RenameConfig({field}={custom!r}) gives {attribute} {given}, but the model's is {expected}")
+        accepted.append((f"RenameConfig({field}={custom!r})", f"model.{attribute}"))
+    for flag in ("ignore_mlp", "ignore_attn"):
+        if config is not None and getattr(config, flag):
+            accepted.append((f"RenameConfig({flag}=True)", "nothing (the spec knows which modules a block has)"))
+    if config is not None and not any(old.startswith("RenameConfig(") for old, _ in accepted):
+        accepted.append(("rename_config=RenameConfig()", "nothing (a family spec places the modules)"))
+    for old, new in accepted:
+        deprecated(old, new, stacklevel=4)
 
 
 def translate_options(kwargs: dict) -> dict:
@@ -254,15 +395,30 @@ def translate_options(kwargs: dict) -> dict:
             from transformers import AutoTokenizer
 
             kwargs["tokenizer"] = AutoTokenizer.from_pretrained(kwargs["model"], **tokenizer_kwargs)
-    for option, what in UNSUPPORTED_OPTIONS.items():
-        if kwargs.get(option) is not None:
-            raise TypeError(
-                f"StandardizedTransformer no longer takes {what} ({option}=): modules are placed by a family spec, "
-                "proven on a miniature of the config. Load a covered family, or add a spec for your architecture "
-                "(docs: Migrating from 1.x)."
-            )
-        kwargs.pop(option, None)
     return kwargs
+
+
+def backbone_norm(family) -> tuple[str, str] | None:
+    """``(backbone, final norm)`` native paths where the final norm is in the backbone (1.x also named it there:
+    ``model.model.ln_final``)."""
+    backbone = family.layers.rpartition(".")[0].partition(".")[0]
+    if backbone and family.ln_final and family.ln_final.startswith(f"{backbone}."):
+        return backbone, family.ln_final
+    return None
+
+
+def name_norm_on_backbone(model) -> None:
+    """``model.model.ln_final``: the final norm, also named on the backbone as 1.x's rename dict did."""
+    found = backbone_norm(model._nnterp_family)
+    if found is None:
+        return
+    backbone = model.__dict__.get("model")  # the backbone's envoy, under its standard name
+    if backbone is None or backbone.__dict__.get("ln_final") is model.ln_final:
+        return
+    if "ln_final" in backbone.__dict__ or hasattr(type(backbone), "ln_final") or hasattr(backbone._module, "ln_final"):
+        return  # never shadow a name the backbone has
+    object.__setattr__(backbone, "ln_final", model.ln_final)  # as nnsight binds an alias: the same envoy
+    backbone._aliases["ln_final"] = found[1][len(found[0]) + 1:]
 
 
 def install(cls) -> None:
@@ -290,9 +446,21 @@ def install(cls) -> None:
     if not getattr(init, "_nnterp_legacy", False):
         @functools.wraps(init)
         def __init__(self, model, tokenizer=None, **kwargs):  # noqa: N807
+            from transformers import PreTrainedModel
+
             padding_side = (kwargs.get("tokenizer_kwargs") or {}).get("padding_side")
+            claims, config = pop_renames(kwargs)
             kwargs = translate_options({"model": model, "tokenizer": tokenizer, **kwargs})
+            validate = kwargs.get("validate", True)
+            if (claims or config is not None) and isinstance(model, PreTrainedModel):  # checked before wrapping
+                from .families import family_of
+
+                check_renames(model, family_of(model.config, type(model).__name__), claims, config, validate)
+                claims, config = [], None
             init(self, kwargs.pop("model"), kwargs.pop("tokenizer"), **kwargs)
+            if claims or config is not None:  # a name or folder: checked on the model it loaded
+                check_renames(self._module, self._nnterp_family, claims, config, validate, self)
+            name_norm_on_backbone(self)
             if padding_side:  # nnsight sets left padding on the tokenizer it is given; 1.x's option wins
                 self.tokenizer.padding_side = padding_side
 

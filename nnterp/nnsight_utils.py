@@ -132,18 +132,17 @@ class ModuleAccessor:
 
     def __init__(self, model, rename_config=None, rename: dict[str, str] | None = None):
         from .families import family_of
+        from .legacy import STANDARD_MODULES, _names, check_renames, pop_renames
 
         deprecated("ModuleAccessor(model)", "nnterp.StandardizedTransformer(model, tokenizer=...) or the family spec "
                    "(nnterp.families.family_of(model.config))")
-        if rename_config is not None:
-            from .legacy import translate_options
-
-            translate_options({"rename_config": rename_config})
         family = family_of(model.config, type(model).__name__)
-        names = family.rename()
-        if rename:
-            names.update(rename)
-        self.nn_model = nnsight.NNsight(model, rename=names)
+        # a standard name is taken where it names what the spec places (else refused); the user's own names pass
+        check_renames(model, family, *pop_renames({"rename_config": rename_config, "rename": rename}),
+                      own_aliases=True)
+        own = {native: alias for native, alias in (rename or {}).items()
+               if not any(name.rpartition(".")[2] in STANDARD_MODULES for name in _names(alias))}
+        self.nn_model = nnsight.NNsight(model, rename={**family.rename(), **own})
 
     def __getattr__(self, name: str) -> torch.nn.Module:
         attribute = getattr(self.nn_model, name)

@@ -2,7 +2,8 @@
 
 nnterp 2 places modules and values with one family spec per architecture, proven on a miniature of
 the config; ``get_rename_dict()`` gives the union of those specs' aliases, for plain nnsight models.
-A custom ``RenameConfig`` is refused with what to do instead (docs: Migrating from 1.x).
+A ``RenameConfig`` is taken where its names are what the spec places (a warning says to drop it), and
+refused where they contradict it (docs: Migrating from 1.x).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 
-from .legacy import deprecated
+from .legacy import backbone_norm, deprecated
 
 
 class RenamingError(Exception):
@@ -31,7 +32,8 @@ class AttnProbFunction(ABC):
 
 @dataclass
 class RenameConfig:
-    """1.x's custom names for an architecture; ``StandardizedTransformer`` refuses it with what to do instead."""
+    """1.x's custom names for an architecture: taken where they name what the family spec places, refused where
+    they contradict it."""
 
     attn_name: str | list[str] | None = None
     mlp_name: str | list[str] | None = None
@@ -65,9 +67,30 @@ def get_rename_dict(rename_config: RenameConfig | None = None) -> dict[str, str 
             for native in [value] if isinstance(value, str) else (value or []):
                 names[native] = alias
     for family in FAMILIES:
-        for native, alias in family.rename().items():
+        rename = family.rename()
+        found = backbone_norm(family)
+        if found and rename.get(found[1]) == "ln_final":  # also on the backbone, as 1.x named it: model.model.ln_final
+            rename[found[1]] = ["ln_final", f"{found[0]}.ln_final"]
+        for native, alias in rename.items():
             names.setdefault(native, alias)
     return names
+
+
+def get_ignores(model, rename_config: RenameConfig | None = None) -> list[str]:
+    """The standard sublayer modules a model's blocks lack (``"mlp"`` on OPT, whose MLP is ``fc1``/``fc2`` in the
+    block; ``"attention"`` on a recurrent model), and those a ``rename_config`` says to ignore."""
+    from .families import family_of
+
+    deprecated("get_ignores(model)", "model.availability(i) (where each value is read, or why it is unavailable)")
+    family = getattr(model, "_nnterp_family", None)  # a StandardizedTransformer's own (per-config) spec
+    if family is None:
+        module = getattr(model, "_module", model)  # a plain nnsight model's, or the transformers model
+        family = family_of(module.config, type(module).__name__)
+    ignores = [name for name, native in (("mlp", family.mlp), ("attention", family.attention)) if native is None]
+    if rename_config is not None:
+        ignores += [name for name, flag in (("mlp", rename_config.ignore_mlp), ("attention", rename_config.ignore_attn))
+                    if flag and name not in ignores]
+    return ignores
 
 
 def text_config(model):
