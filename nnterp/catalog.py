@@ -65,13 +65,15 @@ def values_of(owner: str) -> tuple[Value, ...]:
     return tuple(v for v in CATALOG if v.owner == owner)
 
 
-# TransformerLens's hook names (``blocks.i.<name>``, with or without ``hook_``) -> the standard value of the same
-# meaning, for suggestions. ``hook_post`` is what the down projection sums (after a gated MLP's product).
+# TransformerLens's hook names (``blocks.i.<name>``, with or without ``hook_``) -> the nearest standard value, for
+# suggestions. ``hook_post`` is what the down projection sums (after a gated MLP's product); ``hook_mlp_in`` is a
+# copy of ``resid_mid``. Three are near, not equal: ``hook_normalized`` is before the norm's weight and bias, and
+# ``hook_q``/``hook_k`` before rotary embeddings (``nnterp.dictionaries`` refuses those as sites, with the reason).
 TRANSFORMERLENS_NAMES: dict[str, str] = {
     "resid_pre": "layer_input", "ln1.hook_normalized": "attention_norm_output", "attn.hook_q": "queries",
     "attn.hook_k": "keys", "attn.hook_v": "values", "attn.hook_attn_scores": "attention_scores",
     "attn.hook_pattern": "attention_probabilities", "attn.hook_z": "attention_premix", "attn_out": "attention_output",
-    "resid_mid": "layer_mid", "ln2.hook_normalized": "mlp_norm_output", "mlp_in": "mlp_input",
+    "resid_mid": "layer_mid", "ln2.hook_normalized": "mlp_norm_output", "mlp_in": "layer_mid",
     "mlp.hook_post": "mlp_neurons", "mlp_out": "mlp_output", "resid_post": "layer_output",
 }
 
