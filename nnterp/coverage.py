@@ -21,6 +21,14 @@ CATEGORIES: dict[str, str] = {
     "package": "Needs a package that is not installed with nnterp.",
 }
 
+# category -> what a type of it is, in a sentence (the error that refuses the type)
+_WHAT: dict[str, str] = {
+    "encoder": "an encoder",
+    "decoder half": "the decoder half of an encoder-decoder",
+    "multimodal": "a multimodal model whose language model is not served as such",
+    "package": "a model that needs a package not installed with nnterp",
+}
+
 _BERT = ("encoder", "BERT-style encoder blocks (attention, intermediate, output), norms after the adds")
 _SEQ2SEQ = ("decoder half", "decoder blocks with encoder_attn between self-attention and the MLP")
 
@@ -51,6 +59,24 @@ EXCLUDED: dict[str, tuple[str, str]] = {
 }
 
 
+WHERE_SERVED = "docs/coverage.md lists the served types (in code: nnterp.coverage.served_types())"
+
+
+def served_types() -> list[str]:
+    """Every model type a family spec serves now (``register_family``'s included), sorted."""
+    from .families import BY_MODEL_TYPE
+
+    return sorted(BY_MODEL_TYPE)
+
+
+def why_not_served(model_type: str) -> str | None:
+    """Why ``model_type`` is not served, in one line (None: the table does not exclude it)."""
+    if model_type not in EXCLUDED:
+        return None
+    category, reason = EXCLUDED[model_type]
+    return f"{_WHAT[category]}: {reason}"
+
+
 def unclassified(model_types: Iterable[str], served: Iterable[str]) -> list[str]:
     """The model types that are neither served nor classified in ``EXCLUDED``, sorted."""
     known = set(served) | set(EXCLUDED)
@@ -64,4 +90,4 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-__all__ = ["CATEGORIES", "EXCLUDED", "causal_lm_types", "unclassified"]
+__all__ = ["CATEGORIES", "EXCLUDED", "WHERE_SERVED", "causal_lm_types", "served_types", "unclassified", "why_not_served"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .errors import UnknownArchitecture
 from .families import ROUTED, Family, Unavailable, input, output, parallel_block, pre_norm_block
@@ -144,6 +144,8 @@ def _candidates(shapes: list[dict]) -> list[tuple[str, callable]]:
 
 def infer_family(config: PretrainedConfig, architecture: type | None = None, *, name: str | None = None) -> Family:
     """A proven spec for ``config``'s decoder, inferred from its module tree; ``UnknownArchitecture`` if none holds."""
+    from transformers import AutoModelForCausalLM  # its first use reads transformers' model folders: not at import
+
     from . import families, proof
     from .registry import _placeholder_tokenizer, _wrapper
 

@@ -9,12 +9,17 @@ fails is refused with the problems named, and nothing is registered.
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from . import families, proof
 from .errors import NNterpError
 from .families import Family
 from .proof import ValidationError
+
+if TYPE_CHECKING:  # transformers' model classes load on first use (seconds), not at import nnterp
+    from transformers import PreTrainedModel
 
 # model type -> the family it had before register_family (None: it was not served)
 _BEFORE: dict[str, Family | None] = {}
@@ -86,6 +91,8 @@ def _restore(before: dict[str, Family | None]) -> None:
 
 
 def _causal_lm_class(config: PretrainedConfig, family: Family) -> type[PreTrainedModel]:
+    from transformers import AutoModelForCausalLM
+
     try:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:

@@ -9,12 +9,12 @@ import textwrap
 from dataclasses import dataclass
 
 import torch
+import transformers
 from nnsight import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.modeling.transformers import TransformersModel
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import attention, inputs, proof
 from .catalog import BY_NAME, CATALOG, value_named
@@ -59,7 +59,7 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
         _refuse_unreachable(str(name))
     try:
         # the config the model is built with: loading options that are config attributes override the folder's
-        config, _ = AutoConfig.from_pretrained(name, return_unused_kwargs=True, **from_pretrained_kwargs)
+        config, _ = transformers.AutoConfig.from_pretrained(name, return_unused_kwargs=True, **from_pretrained_kwargs)
     except OSError as error:
         if local:
             raise OSError(f"{str(name)!r} is a folder, but its config.json could not be read: {error}") from error
@@ -71,7 +71,7 @@ def _prepare(name: str | os.PathLike, tokenizer, validate: bool, from_pretrained
         raise OSError(f"The config of {str(name)!r} could not be read: {error}") from error
     if tokenizer is None:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as error:
             raise OSError(
                 f"No tokenizer could be loaded from {str(name)!r}"
@@ -112,8 +112,8 @@ def _refuse_unreachable(name: str) -> None:
                       ) from None
 
 
-def _architecture_of(config) -> type[PreTrainedModel]:
-    mapping = AutoModelForCausalLM._model_mapping
+def _architecture_of(config) -> type[transformers.PreTrainedModel]:
+    mapping = transformers.AutoModelForCausalLM._model_mapping
     text_config = config.get_text_config()
     try:
         return mapping[type(config)]
@@ -128,7 +128,7 @@ def _architecture_of(config) -> type[PreTrainedModel]:
         ) from None
 
 
-def _load_whole(architecture: type[PreTrainedModel], name, family: Family, kwargs: dict) -> PreTrainedModel:
+def _load_whole(architecture: type[transformers.PreTrainedModel], name, family: Family, kwargs: dict) -> transformers.PreTrainedModel:
     """The checkpoint's model, refused when the checkpoint holds none of a block's weights: they would all be random,
     and every value read from them noise (transformers only logs it). A few missing weights (a norm that a loading
     option added to the checkpoint's architecture) are left to transformers' warning."""
@@ -170,7 +170,7 @@ class StandardizedTransformer(TransformersModel):
     NDIF hosts, and ships the standard names with it.
     """
 
-    def __init__(self, model: str | os.PathLike | PreTrainedModel, tokenizer=None, *, validate: bool = True,
+    def __init__(self, model: str | os.PathLike | transformers.PreTrainedModel, tokenizer=None, *, validate: bool = True,
                  attention_values: bool = False, dispatch: bool = True, **from_pretrained_kwargs):
         validated = None  # the forward events of the validated miniature
         lazy = isinstance(model, (str, os.PathLike)) and not dispatch
@@ -179,7 +179,7 @@ class StandardizedTransformer(TransformersModel):
             family = family_of(config, architecture.__name__)
             if family.checkpoint_keys:  # the user's own key_mapping, if any, wins
                 from_pretrained_kwargs = {"key_mapping": dict(family.checkpoint_keys), **from_pretrained_kwargs}
-            if lazy and type(config) not in AutoModelForCausalLM._model_mapping:
+            if lazy and type(config) not in transformers.AutoModelForCausalLM._model_mapping:
                 # an image-text config that loads as its text model (Inkling-2's): built, and loaded, from its text part
                 from_pretrained_kwargs = {"config": config.get_text_config(), **from_pretrained_kwargs}
             if not lazy:
@@ -189,11 +189,11 @@ class StandardizedTransformer(TransformersModel):
                 f"Unexpected keyword arguments {sorted(from_pretrained_kwargs)}: loading options apply only when "
                 "the model is given by name or folder. Build the model with them, then wrap it."
             )
-        elif isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):
+        elif isinstance(getattr(model, "_orig_mod", None), transformers.PreTrainedModel):
             raise TypeError(
                 f"This is a torch.compile'd model ({type(model).__name__}); its forward is a compiled graph nnsight "
                 "cannot intervene in. Wrap the model it compiled: StandardizedTransformer(compiled._orig_mod, ...).")
-        elif not isinstance(model, PreTrainedModel):
+        elif not isinstance(model, transformers.PreTrainedModel):
             raise TypeError(f"Expected a model name, a folder or a transformers PreTrainedModel, got {type(model).__name__}.")
         elif not model.can_generate():
             raise TypeError(
@@ -210,7 +210,7 @@ class StandardizedTransformer(TransformersModel):
         if tokenizer is None:
             raise ValueError("A model object needs its tokenizer: StandardizedTransformer(model, tokenizer=tok).")
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer)
         family = family_of(config, architecture.__name__) if lazy else family_of(model.config, type(model).__name__)
         if not lazy and not _has_module(model, family.layers):  # another class of the type (an image-text one)
             raise UnknownArchitecture(

@@ -1,4 +1,10 @@
-"""The registry: one spec per family, found by the config's ``model_type``."""
+"""The registry: one spec per family, found by the config's ``model_type``.
+
+A spec reaches transformers' classes only inside the functions it gives (``tiny_config``, ``rename``,
+``sublayer_classes``, ...): a config class as ``transformers.<Name>``, a class of a model's own modules
+imported in the function. So a family's model package is imported when the family is used (placed,
+proven, its miniature built), never at ``import nnterp`` (tests/test_import_time.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
+from .. import coverage
 from ..errors import UnknownArchitecture
 from .base import (
     MODEL_LAYERS,
@@ -128,9 +135,13 @@ def family_of(config: PretrainedConfig, architecture: str | None = None) -> Fami
     family = BY_MODEL_TYPE.get(model_type)
     if family is None:
         architectures = architecture or ", ".join(getattr(config, "architectures", None) or []) or "unknown class"
+        why = coverage.why_not_served(model_type)
+        if why:  # a type the coverage table excludes, with its reason
+            raise UnknownArchitecture(
+                f"nnterp does not serve model_type {model_type!r} ({architectures}), {why}. {coverage.WHERE_SERVED}; "
+                "plain nnsight (nnsight.LanguageModel) wraps any model.")
         raise UnknownArchitecture(
-            f"No nnterp family spec covers model_type {model_type!r} ({architectures}). "
-            f"Covered model types: {', '.join(sorted(BY_MODEL_TYPE))}. "
+            f"No nnterp family spec covers model_type {model_type!r} ({architectures}); {coverage.WHERE_SERVED}. "
             "To serve it: nnterp.register_family(spec) with its spec (docs: guide/custom-architecture.md), or "
             "nnterp.register_family(nnterp.infer_family(config)) where its module names say enough; meanwhile "
             "plain nnsight (nnsight.LanguageModel) wraps any model."

@@ -12,7 +12,7 @@ output (a sigmoid of ``gate_proj``) before ``o_proj``, and the logits are softca
 import math
 
 import torch
-from transformers import BeamConfig
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Block, Family, output, pre_norm_block
 
@@ -47,7 +47,7 @@ def _softcap_in_float32(logits: torch.Tensor, config) -> torch.Tensor:
 BEAM = Family(
     name="Beam", model_types=("beam",), **MODEL_LAYERS, block=_block, logits_transform=_softcap_in_float32,
     premix_is_not_mixed_values="the attention gates each head's output (a sigmoid of gate_proj) before o_proj",
-    tiny_config=lambda: BeamConfig(
+    tiny_config=lambda: transformers.BeamConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=128, max_position_embeddings=64, moe_intermediate_size=32, num_experts=4,
         num_experts_per_tok=2, n_group=1, topk_group=1, sliding_window=4, final_logit_softcapping=30.0,

@@ -7,7 +7,7 @@ head is ``output_projection``; XGLM's cross-attention (used only with an encoder
 in a causal LM, and its self-attention is its own code, outside transformers' attention interface.
 """
 
-from transformers import BioGptConfig, XGLMConfig
+import transformers
 
 from .base import OWN_ATTENTION, Family, input, output, pre_norm_block
 
@@ -23,12 +23,12 @@ def _block(config, i):
 BIOGPT = Family(
     name="BioGPT", model_types=("biogpt",), layers="biogpt.layers", embed_tokens="biogpt.embed_tokens",
     ln_final="biogpt.layer_norm", lm_head="output_projection", attention="self_attn", mlp=None, block=_block,
-    tiny_config=lambda: BioGptConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                     num_attention_heads=4, vocab_size=128, max_position_embeddings=64),
+    tiny_config=lambda: transformers.BioGptConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                                  num_attention_heads=4, vocab_size=128, max_position_embeddings=64),
 )
 XGLM = Family(
     name="XGLM", model_types=("xglm",), layers="model.layers", embed_tokens="model.embed_tokens",
     ln_final="model.layer_norm", attention="self_attn", mlp=None, block=_block, attention_internals=OWN_ATTENTION,
-    tiny_config=lambda: XGLMConfig(d_model=64, ffn_dim=128, num_layers=3, attention_heads=4, vocab_size=128,
-                                   max_position_embeddings=64),
+    tiny_config=lambda: transformers.XGLMConfig(d_model=64, ffn_dim=128, num_layers=3, attention_heads=4,
+                                                vocab_size=128, max_position_embeddings=64),
 )

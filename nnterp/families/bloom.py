@@ -6,7 +6,7 @@ adds: the outputs of ``self_attention.dense`` and ``mlp.dense_4h_to_h``. The blo
 returns ``(hidden, attention_probs)``.
 """
 
-from transformers import BloomConfig
+import transformers
 
 from ..errors import UnsupportedConfig
 from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
@@ -41,6 +41,6 @@ BLOOM = Family(
         attention_output=output("self_attention.dense"), mlp_output=output("mlp.dense_4h_to_h"),
     ),
     skip_output=stream_and_none,
-    tiny_config=lambda: BloomConfig(n_layer=3, hidden_size=64, n_head=4, vocab_size=128),
+    tiny_config=lambda: transformers.BloomConfig(n_layer=3, hidden_size=64, n_head=4, vocab_size=128),
     check_config=_check,
 )

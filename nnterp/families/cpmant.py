@@ -14,7 +14,7 @@ then ``ffn`` (``layernorm_before_ffn``, ``ffn``, its own add): the sequential id
 """
 
 import torch
-from transformers import CpmAntConfig
+import transformers
 
 from .base import OWN_ATTENTION, Family, input, output, pre_norm_block
 
@@ -52,7 +52,7 @@ CPMANT = Family(
     ln_final="cpmant.encoder.output_layernorm", attention="self_att.self_attention", mlp="ffn.ffn", block=_block,
     attention_internals=OWN_ATTENTION,
     skip_output=_skipped,
-    tiny_config=lambda: CpmAntConfig(
+    tiny_config=lambda: transformers.CpmAntConfig(
         vocab_size=128, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=3,
         position_bias_num_buckets=32, position_bias_max_distance=64, prompt_types=3, prompt_length=3,
         segment_types=4),

@@ -7,7 +7,7 @@ CTRL's own code, outside transformers' attention interface. Block 0's input is t
 embedding plus sinusoidal positions.
 """
 
-from transformers import CTRLConfig
+import transformers
 
 from .base import OWN_ATTENTION, Family, output, pre_norm_block
 
@@ -25,5 +25,6 @@ CTRL = Family(
         post_norm="layernorm2", mlp="ffn", act="ffn.1", down_proj="ffn.2",
         attention_output=output("dropout1"), mlp_output=output("dropout2"),
     ),
-    tiny_config=lambda: CTRLConfig(n_layer=3, n_embd=64, n_head=4, dff=128, vocab_size=128, n_positions=64),
+    tiny_config=lambda: transformers.CTRLConfig(n_layer=3, n_embd=64, n_head=4, dff=128, vocab_size=128,
+                                                n_positions=64),
 )

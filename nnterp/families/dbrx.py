@@ -7,7 +7,7 @@ attention's add (``layer_mid``, also ``norm_2``'s input) and the MLP's input. Th
 ``layer_output = (attention_output + layer_input) + mlp_output``, in the code's order.
 """
 
-from transformers import DbrxConfig
+import transformers
 
 from .base import ROUTED, Family, pre_norm_block
 
@@ -24,7 +24,7 @@ DBRX = Family(
         post_norm="norm_attn_norm.norm_2", mlp="ffn", act="", down_proj="", mlp_activation=ROUTED,
         mlp_neurons=ROUTED, formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_sum),
     # checkpoints set clip_qkv and attn_config.rope_theta (the attention reads it), which the default leaves out
-    tiny_config=lambda: DbrxConfig(
+    tiny_config=lambda: transformers.DbrxConfig(
         d_model=64, n_heads=4, n_layers=3, max_seq_len=64, vocab_size=128,
         attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
         ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),

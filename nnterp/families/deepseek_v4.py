@@ -19,7 +19,7 @@ scores and the probabilities over them are unavailable on those layers (``querie
 """
 
 import torch
-from transformers import DeepseekV4Config
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, Unavailable, input, output, pre_norm_block
 
@@ -67,7 +67,7 @@ DEEPSEEK_V4 = Family(
     stream_readout="model.hc_head",  # collapses the streams before the final norm
     premix_is_not_mixed_values="each head's mixed values are rotated back (conjugate RoPE) before the grouped "
                                "output projection, so attention_premix is the rotated mix",
-    tiny_config=lambda: DeepseekV4Config(
+    tiny_config=lambda: transformers.DeepseekV4Config(
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
         num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, hc_mult=4, hc_sinkhorn_iters=5, o_groups=2, o_lora_rank=16, sliding_window=8,

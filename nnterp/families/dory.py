@@ -21,7 +21,7 @@ from ``norm(stream) + norm(input section's output)``, so a loop's first block re
 (``ln_final``) also runs at those restarts: its native ``.output`` is the first restart's, not the readout's.
 """
 
-from transformers import DoryConfig
+import transformers
 
 from .base import MODEL_LAYERS, Block, Family, input, native, output
 
@@ -74,7 +74,7 @@ DORY = Family(
     name="Dory", model_types=("dory",), **MODEL_LAYERS, block=_dory_block, schedule=_dory_schedule,
     premix_is_not_mixed_values="each head's output is gated by a sigmoid, and the heads together are L2-normalised "
     "(attn_sub_norm), before o_proj",
-    tiny_config=lambda: DoryConfig(
+    tiny_config=lambda: transformers.DoryConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, n_input_layers=1, n_output_layers=1, n_recurrent_loops=3,
         sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),

@@ -15,7 +15,7 @@ attentions (its values say why they are unavailable) and ``mlp`` the native shor
 why they are unavailable too: neither stands for one of the pairs.
 """
 
-from transformers import LongcatFlashConfig
+import transformers
 
 from .base import Block, Family, Unavailable, input, output
 
@@ -62,7 +62,7 @@ LONGCAT_FLASH = Family(
     block=_block,
     attention_internals=Unavailable("each block holds two attentions (self_attn[0] and [1]), so the values inside "
                                     "'the' attention of a block have no single place"),
-    tiny_config=lambda: LongcatFlashConfig(
+    tiny_config=lambda: transformers.LongcatFlashConfig(
         vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4, max_position_embeddings=64,
         ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8,
         v_head_dim=16, moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32,

@@ -10,7 +10,7 @@ on the MLP's returned tensor. ``mlp_output`` is therefore read as a copy there (
 edit of it does not reach the model; assigning it does). The block returns a tuple.
 """
 
-from transformers import FalconConfig
+import transformers
 
 from ..errors import UnsupportedConfig
 from .base import OWN_ATTENTION, Family, output, parallel_block, pre_norm_block, stream_and_none
@@ -49,8 +49,9 @@ FALCON = Family(
     mlp="mlp",
     block=_block,
     skip_output=stream_and_none,
-    tiny_config=lambda: FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=128,
-                                     new_decoder_architecture=False, parallel_attn=True, multi_query=True),
+    tiny_config=lambda: transformers.FalconConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=128, new_decoder_architecture=False,
+        parallel_attn=True, multi_query=True),
     check_config=_check,
     variants=(("`parallel_attn=True` (7B style)", {}),
               ("`parallel_attn=False` (RW style)", {"parallel_attn": False}),

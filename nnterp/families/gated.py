@@ -11,7 +11,7 @@ raw sublayer outputs. The stream is float32 whatever the weights' dtype; the blo
 ``(hidden, router_state)``. Its MLP is a routed mixture.
 """
 
-from transformers import DogeConfig, ZayaConfig
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Family, output, pre_norm_block
 
@@ -51,12 +51,12 @@ def _zaya_block(config, i):
 
 DOGE = Family(
     name="Doge", model_types=("doge",), **MODEL_LAYERS, block=_doge_block,
-    tiny_config=lambda: DogeConfig(**_SMALL, intermediate_size=128, keep_window_size=2048),
+    tiny_config=lambda: transformers.DogeConfig(**_SMALL, intermediate_size=128, keep_window_size=2048),
     variants=(("a dense MLP", {}), ("`is_moe=True`", {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4})),
 )
 ZAYA = Family(
     name="ZAYA", model_types=("zaya",), **MODEL_LAYERS, block=_zaya_block,
     skip_output=lambda stream, block: (stream, block.inputs[0][1]),  # pass the router state on
-    tiny_config=lambda: ZayaConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                   num_experts_per_tok=1, router_hidden_size=16),
+    tiny_config=lambda: transformers.ZayaConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                                num_experts_per_tok=1, router_hidden_size=16),
 )

@@ -29,7 +29,7 @@ import dataclasses
 import math
 
 import torch
-from transformers import Gemma3nTextConfig
+import transformers
 
 from ..errors import NNterpError
 from .base import STANDARD, Block, Family, input, output, pre_norm_block, softcap_logits
@@ -116,7 +116,7 @@ GEMMA3N = Family(
     before_final_norm=_altup_readout,
     logits_transform=softcap_logits,
     skip_output=_skip,
-    tiny_config=lambda: Gemma3nTextConfig(
+    tiny_config=lambda: transformers.Gemma3nTextConfig(
         hidden_size=32, intermediate_size=[64, 64, 48, 64, 64], num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, vocab_size=128, vocab_size_per_layer_input=128,
         hidden_size_per_layer_input=8, laurel_rank=8, altup_num_inputs=3, num_kv_shared_layers=3, sliding_window=4,

@@ -17,7 +17,7 @@ configs give the full-attention layers their own head size (``per_layer_config``
 
 import dataclasses
 
-from transformers import Gemma4Config, Gemma4TextConfig, Gemma4UnifiedConfig, Gemma4UnifiedTextConfig
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Block, Family, output, pre_norm_block, softcap_logits
 
@@ -54,7 +54,7 @@ GEMMA4 = Family(
     **MODEL_LAYERS,
     block=_block,
     logits_transform=softcap_logits,
-    tiny_config=lambda: Gemma4TextConfig(
+    tiny_config=lambda: transformers.Gemma4TextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, head_dim=16, global_head_dim=16, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], vocab_size_per_layer_input=128,
@@ -71,13 +71,13 @@ _LANGUAGE_MODEL = dict(layers="model.language_model.layers", embed_tokens="model
                        ln_final="model.language_model.norm")
 GEMMA4_MULTIMODAL = dataclasses.replace(
     GEMMA4, name="Gemma-4 (image-text)", model_types=("gemma4",), **_LANGUAGE_MODEL, variants=(),
-    tiny_config=lambda: Gemma4Config(text_config=GEMMA4.tiny_config().to_dict()))
+    tiny_config=lambda: transformers.Gemma4Config(text_config=GEMMA4.tiny_config().to_dict()))
 GEMMA4_UNIFIED = dataclasses.replace(
     GEMMA4, name="Gemma-4-Unified", model_types=("gemma4_unified_text",), variants=(),
-    tiny_config=lambda: Gemma4UnifiedTextConfig(
+    tiny_config=lambda: transformers.Gemma4UnifiedTextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, head_dim=16, global_head_dim=16, sliding_window=4,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], final_logit_softcapping=30.0))
 GEMMA4_UNIFIED_MULTIMODAL = dataclasses.replace(
     GEMMA4_UNIFIED, name="Gemma-4-Unified (image-text)", model_types=("gemma4_unified",), **_LANGUAGE_MODEL,
-    tiny_config=lambda: Gemma4UnifiedConfig(text_config=GEMMA4_UNIFIED.tiny_config().to_dict()))
+    tiny_config=lambda: transformers.Gemma4UnifiedConfig(text_config=GEMMA4_UNIFIED.tiny_config().to_dict()))

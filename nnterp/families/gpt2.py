@@ -1,6 +1,6 @@
 """GPT-2 and GPT-BigCode: sequential pre-norm with a plain GELU MLP (``mlp_neurons`` is ``mlp_activation``)."""
 
-from transformers import GPT2Config, GPTBigCodeConfig
+import transformers
 
 from .base import STANDARD, EagerAttention, Family, pre_norm_block
 
@@ -21,7 +21,7 @@ GPT2 = Family(
         input_norm="ln_1", attention="attn", o_proj="attn.c_proj", post_norm="ln_2",
         mlp="mlp", act="mlp.act", down_proj="mlp.c_proj",
     ),
-    tiny_config=lambda: GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
+    tiny_config=lambda: transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
 )
 
 GPT_BIGCODE = Family(
@@ -33,6 +33,6 @@ GPT_BIGCODE = Family(
     attention="attn",
     mlp="mlp",
     block=GPT2.block,
-    tiny_config=lambda: GPTBigCodeConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-                                         multi_query=True),
+    tiny_config=lambda: transformers.GPTBigCodeConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                                      multi_query=True),
 )

@@ -4,7 +4,7 @@
 Layers alternate global and local attention.
 """
 
-from transformers import GPTNeoConfig
+import transformers
 
 from .base import OWN_ATTENTION, Family, pre_norm_block, stream_and_none
 
@@ -22,7 +22,7 @@ GPT_NEO = Family(
         mlp="mlp", act="mlp.act", down_proj="mlp.c_proj",
     ),
     skip_output=stream_and_none,
-    tiny_config=lambda: GPTNeoConfig(
+    tiny_config=lambda: transformers.GPTNeoConfig(
         num_layers=3, hidden_size=64, num_heads=4, vocab_size=128, max_position_embeddings=64,
         attention_types=[[["global", "local"], 1], [["global"], 1]], window_size=4, intermediate_size=128,
     ),

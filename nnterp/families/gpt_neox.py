@@ -5,7 +5,7 @@ Parallel: ``y = (mlp_output + attention_output) + layer_input``; the attention r
 input, and there is no ``layer_mid``. Sequential: the usual ``(x + a) + m``.
 """
 
-from transformers import GPTNeoXConfig
+import transformers
 
 from .base import Family, parallel_block, pre_norm_block
 
@@ -29,7 +29,7 @@ GPT_NEOX = Family(
     attention="attention",
     mlp="mlp",
     block=_block,
-    tiny_config=lambda: GPTNeoXConfig(
+    tiny_config=lambda: transformers.GPTNeoXConfig(
         hidden_size=64, num_attention_heads=4, num_hidden_layers=3, intermediate_size=128, vocab_size=128,
         max_position_embeddings=64, use_parallel_residual=True,
     ),

@@ -4,7 +4,7 @@ Attention and MLP both read ``ln_1(x)``, so ``mlp_norm_output`` is ``attention_n
 and there is no ``layer_mid``.
 """
 
-from transformers import CodeGenConfig, GPTJConfig
+import transformers
 
 from .base import Family, parallel_block
 
@@ -26,7 +26,8 @@ def _gptj_like(name, model_type, tiny_config):
     )
 
 
-GPTJ = _gptj_like("GPT-J", "gptj", lambda: GPTJConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128,
-                                                      n_positions=64, rotary_dim=8))
-CODEGEN = _gptj_like("CodeGen", "codegen", lambda: CodeGenConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128,
-                                                                 n_positions=64, rotary_dim=8))
+GPTJ = _gptj_like("GPT-J", "gptj", lambda: transformers.GPTJConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128,
+                                                                   n_positions=64, rotary_dim=8))
+CODEGEN = _gptj_like("CodeGen", "codegen", lambda: transformers.CodeGenConfig(n_layer=3, n_embd=64, n_head=4,
+                                                                              vocab_size=128, n_positions=64,
+                                                                              rotary_dim=8))

@@ -20,13 +20,7 @@ block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its atte
 (MLA), and it divides the normed stream by ``logits_scaling`` before the head.
 """
 
-from transformers import (
-    GraniteConfig,
-    GraniteMoeConfig,
-    GraniteMoeSharedConfig,
-    HyperCLOVAXConfig,
-    MiniCPM3Config,
-)
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, STANDARD, Family, SameAs, Unavailable, output, pre_norm_block
 
@@ -52,7 +46,7 @@ GRANITE = Family(
     **MODEL_LAYERS,
     block=_block,
     logits_transform=lambda logits, config: logits / config.logits_scaling,
-    tiny_config=lambda: GraniteConfig(**_SMALL),
+    tiny_config=lambda: transformers.GraniteConfig(**_SMALL),
 )
 GRANITE_MOE = Family(
     name="Granite-MoE",
@@ -60,7 +54,7 @@ GRANITE_MOE = Family(
     **{**MODEL_LAYERS, "mlp": "block_sparse_moe"},
     block=lambda config, i: _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED),
     logits_transform=lambda logits, config: logits / config.logits_scaling,
-    tiny_config=lambda: GraniteMoeConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2),
+    tiny_config=lambda: transformers.GraniteMoeConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2),
 )
 
 
@@ -82,8 +76,8 @@ GRANITE_MOE_SHARED = Family(
     block=_shared_block,
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     attention_internals=lambda config: _SINK_SCALED if config.model_type == "granitemoe_swa" else STANDARD,
-    tiny_config=lambda: GraniteMoeSharedConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2,
-                                               shared_intermediate_size=64),
+    tiny_config=lambda: transformers.GraniteMoeSharedConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                            shared_intermediate_size=64),
     variants=(("`shared_intermediate_size > 0`", {}),
               ("`shared_intermediate_size = 0` (the default: no shared MLP)", {"shared_intermediate_size": 0})),
 )
@@ -93,7 +87,7 @@ HYPERCLOVAX = Family(
     **MODEL_LAYERS,
     block=lambda config, i: _block(config, i, attention_output=output("post_norm1"), mlp_output=output("post_norm2")),
     logits_transform=lambda logits, config: logits * config.logits_scaling,
-    tiny_config=lambda: HyperCLOVAXConfig(**_SMALL),
+    tiny_config=lambda: transformers.HyperCLOVAXConfig(**_SMALL),
 )
 MINICPM3 = Family(
     name="MiniCPM3",
@@ -101,7 +95,7 @@ MINICPM3 = Family(
     **MODEL_LAYERS,
     block=lambda config, i: _block(config, i, factor="residual_scale"),
     head_input_transform=lambda hidden, config: hidden / config.logits_scaling,
-    tiny_config=lambda: MiniCPM3Config(
+    tiny_config=lambda: transformers.MiniCPM3Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=128, max_position_embeddings=64, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=16, head_dim=16, scale_emb=12, scale_depth=1.4, dim_model_base=16),

@@ -11,7 +11,7 @@ Each block's values are read per run (``layers[i].run(k)``; ``model.schedule`` l
 order), with the sequential identity on every run.
 """
 
-from transformers import HrmTextConfig
+import transformers
 
 from .base import Family, pre_norm_block
 
@@ -31,7 +31,7 @@ HRM_TEXT = Family(
     embed_tokens="model.embed_tokens", ln_final="model.H_module.final_norm", attention="self_attn", mlp="mlp",
     block=_hrm_block, schedule=_hrm_schedule,
     premix_is_not_mixed_values="each head's output is multiplied by a sigmoid gate (gate_proj) before o_proj",
-    tiny_config=lambda: HrmTextConfig(
+    tiny_config=lambda: transformers.HrmTextConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
         H_cycles=2, L_cycles=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 )

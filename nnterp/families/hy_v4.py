@@ -13,7 +13,7 @@ and a sigmoid gate on each head's output; the MLP is dense on the layers ``mlp_l
 ``"dense"`` and a routed mixture with a shared expert on the others.
 """
 
-from transformers import HYV4Config
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, input, output, pre_norm_block
 
@@ -51,7 +51,7 @@ HY_V4 = Family(
     attention_internals=WITH_SINKS,
     stream_readout="model.hc_head",  # collapses the streams before the final norm
     premix_is_not_mixed_values="each head's output is multiplied by a sigmoid gate (gate_proj) before o_proj",
-    tiny_config=lambda: HYV4Config(
+    tiny_config=lambda: transformers.HYV4Config(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
         vocab_size=128, max_position_embeddings=64, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, index_topk=4,

@@ -31,19 +31,7 @@ stream after its add, on every block.
   whose outputs are the contributions) and a gated attention.
 """
 
-from transformers import (
-    BambaConfig,
-    GraniteMoeHybridConfig,
-    JambaConfig,
-    LaraMiniConfig,
-    Lfm2Config,
-    Lfm2MoeConfig,
-    Lfm3Config,
-    OlmoHybridConfig,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-)
+import transformers
 
 from ..catalog import ATTENTION_VALUES
 from .base import MODEL_LAYERS, ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block, stream_and_none
@@ -104,16 +92,16 @@ JAMBA = Family(
     block=_hybrid(mixer="mamba", kind="a Mamba layer", is_routed=lambda config, i: config.layers_num_experts[i] > 1,
                   **_JAMBA_MODULES),
     # blocks 0 and 2 Mamba with experts, 1 attention, 3 Mamba
-    tiny_config=lambda: JambaConfig(**_SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
-                                    expert_layer_period=2, expert_layer_offset=0, num_experts=4, num_experts_per_tok=2,
-                                    mamba_d_state=8),
+    tiny_config=lambda: transformers.JambaConfig(
+        **_SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8),
 )
 BAMBA = Family(
     name="Bamba", model_types=("bamba",), **_FEED_FORWARD,
     block=_hybrid(mixer="mamba", kind="a Mamba-2 layer", **_JAMBA_MODULES),
     skip_output=stream_and_none,  # its blocks return (hidden, attention weights)
-    tiny_config=lambda: BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
-                                    mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
+    tiny_config=lambda: transformers.BambaConfig(**_SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
+                                                 mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
 )
 
 
@@ -140,7 +128,7 @@ def _granite_block(config, i):
 GRANITE_MOE_HYBRID = Family(
     name="Granite-MoE-Hybrid", model_types=("granitemoehybrid",), **{**MODEL_LAYERS, "mlp": "shared_mlp"},
     block=_granite_block, logits_transform=lambda logits, config: logits / config.logits_scaling,
-    tiny_config=lambda: GraniteMoeHybridConfig(
+    tiny_config=lambda: transformers.GraniteMoeHybridConfig(
         **_SMALL, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=128,
         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16, num_local_experts=4,
         num_experts_per_tok=2, residual_multiplier=0.22, embedding_multiplier=12.0, logits_scaling=8.0,
@@ -166,12 +154,12 @@ def _deltanet(name, model_types, is_routed, tiny_config, gated=_GATED):
     )
 
 
-QWEN3_NEXT = _deltanet("Qwen3-Next", ("qwen3_next",), routed_layer, lambda: Qwen3NextConfig(
+QWEN3_NEXT = _deltanet("Qwen3-Next", ("qwen3_next",), routed_layer, lambda: transformers.Qwen3NextConfig(
     **_DELTANET, **_EXPERTS, decoder_sparse_step=1, mlp_only_layers=[2]))
-QWEN3_5 = _deltanet("Qwen3.5", ("qwen3_5_text", "qwen3_5"), _never, lambda: Qwen3_5TextConfig(**_DELTANET))
+QWEN3_5 = _deltanet("Qwen3.5", ("qwen3_5_text", "qwen3_5"), _never, lambda: transformers.Qwen3_5TextConfig(**_DELTANET))
 QWEN3_5_MOE = _deltanet("Qwen3.5-MoE", ("qwen3_5_moe_text", "qwen3_5_moe"), _always,
-                        lambda: Qwen3_5MoeTextConfig(**_DELTANET, **_EXPERTS))
-LARA_MINI = _deltanet("Lara-Mini", ("lara_mini",), _always, lambda: LaraMiniConfig(
+                        lambda: transformers.Qwen3_5MoeTextConfig(**_DELTANET, **_EXPERTS))
+LARA_MINI = _deltanet("Lara-Mini", ("lara_mini",), _always, lambda: transformers.LaraMiniConfig(
     **{**_DELTANET, "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
     **_EXPERTS, sliding_window=2), gated=None)
 
@@ -187,7 +175,7 @@ OLMO_HYBRID = Family(
     block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", attention_block=_olmo_hybrid_attention,
                   input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn",
                   down_proj="mlp.down_proj"),
-    tiny_config=lambda: OlmoHybridConfig(**_DELTANET, pad_token_id=0),
+    tiny_config=lambda: transformers.OlmoHybridConfig(**_DELTANET, pad_token_id=0),
 )
 
 
@@ -208,13 +196,13 @@ def _lfm(name, model_type, tiny_config, is_routed=_never, o_proj="self_attn.out_
 
 
 _CONV = dict(**_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
-LFM2 = _lfm("LFM2", "lfm2", lambda: Lfm2Config(**_CONV), formula="layer_output = (attention_output + layer_input) + mlp_output",
-            combine=_lfm2_sum)
-LFM2_MOE = _lfm("LFM2-MoE", "lfm2_moe", lambda: Lfm2MoeConfig(
+LFM2 = _lfm("LFM2", "lfm2", lambda: transformers.Lfm2Config(**_CONV),
+            formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum)
+LFM2_MOE = _lfm("LFM2-MoE", "lfm2_moe", lambda: transformers.Lfm2MoeConfig(
     **_CONV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1),
     is_routed=lambda config, i: i >= config.num_dense_layers,
     formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum)
-LFM3 = _lfm("LFM3", "lfm3", lambda: Lfm3Config(
+LFM3 = _lfm("LFM3", "lfm3", lambda: transformers.Lfm3Config(
     **{**_CONV, "layer_types": ["conv", "sliding_attention", "full_attention"]}, sliding_window=2, use_sandwich_norm=True,
     pad_token_id=0),
     o_proj="self_attn.o_proj", gated="with use_attention_gate (the default) each head's output is multiplied by a sigmoid gate (g_proj) "

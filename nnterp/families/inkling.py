@@ -10,7 +10,7 @@ the stream). Its sliding-window layers (``hybrid_sliding``) have their own head 
 head and drops the logits past ``unpadded_vocab_size`` when the head is padded.
 """
 
-from transformers import InklingTextConfig
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Family, output, pre_norm_block
 
@@ -35,7 +35,7 @@ INKLING = Family(
                              else config.num_attention_heads),
     head_input_transform=lambda normed, config: normed / config.get_text_config().logits_mup_width_multiplier,
     logits_transform=_unpadded,
-    tiny_config=lambda: InklingTextConfig(
+    tiny_config=lambda: transformers.InklingTextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4,
         d_rel=4, rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],

@@ -45,7 +45,7 @@ scores with the bias and the mask added, before the sink logit joins them.
 
 import dataclasses
 
-from transformers import Inkling2LoopTextConfig, Inkling2TextConfig
+import transformers
 
 from .base import ROUTED, Block, EagerAttention, Family, Unavailable, input, output, pre_norm_block
 
@@ -95,7 +95,7 @@ INKLING2 = Family(
     readout_unavailable="the model reads its last layer's output out through a learned mix of it and every earlier "
                         "block's summary (model.final_input) before the final norm, so one stream alone has no readout "
                         "the model would give it",
-    tiny_config=lambda: Inkling2TextConfig(
+    tiny_config=lambda: transformers.Inkling2TextConfig(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4, d_rel=4,
         rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid", "hybrid_sliding"],
@@ -124,7 +124,7 @@ def _loop_schedule(config):
 
 INKLING2_LOOP = dataclasses.replace(
     INKLING2, name="Inkling-2-Loop", model_types=("inkling2_loop_text",), block=_loop_block, schedule=_loop_schedule,
-    tiny_config=lambda: Inkling2LoopTextConfig(
+    tiny_config=lambda: transformers.Inkling2LoopTextConfig(
         hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4, d_rel=4,
         rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],

@@ -9,7 +9,7 @@ fla kernels are not installed (CPU): its chunk is 64 positions whatever the inpu
 over them, so a miniature shrinks its heads (``linear_num_heads``, ``linear_head_dim``) to stay fast.
 """
 
-from transformers import BailingHybridConfig, KimiLinearConfig
+import transformers
 
 from .base import MODEL_LAYERS, Family
 from .hybrid import _hybrid
@@ -25,9 +25,9 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 KIMI_LINEAR = Family(name="Kimi-Linear", model_types=("kimi_linear",), **MODEL_LAYERS, block=_KDA,
-                     tiny_config=lambda: KimiLinearConfig(**_SMALL))
+                     tiny_config=lambda: transformers.KimiLinearConfig(**_SMALL))
 BAILING_HYBRID = Family(name="Bailing-Hybrid", model_types=("bailing_hybrid",), **MODEL_LAYERS, block=_KDA,
                         premix_is_not_mixed_values="the latent attention multiplies each head's output by a sigmoid "
                                                    "gate (g_proj) before o_proj",
-                        tiny_config=lambda: BailingHybridConfig(**_SMALL, first_k_dense_replace=1, num_expert_group=2,
-                                                                topk_group=1))
+                        tiny_config=lambda: transformers.BailingHybridConfig(
+                            **_SMALL, first_k_dense_replace=1, num_expert_group=2, topk_group=1))

@@ -7,15 +7,7 @@ Sequential pre-norm with a gated MLP: ``mlp_activation`` is ``act_fn(gate_proj(x
 ``mlp_neurons`` is ``act_fn(gate_proj(x)) * up_proj(x)``, what ``down_proj`` sums.
 """
 
-from transformers import (
-    GemmaConfig,
-    LlamaConfig,
-    MistralConfig,
-    OlmoConfig,
-    Qwen2Config,
-    Qwen3Config,
-    SmolLM3Config,
-)
+import transformers
 
 from .base import MODEL_LAYERS, Family, pre_norm_block
 
@@ -38,11 +30,11 @@ def _llama_like(name, model_types, tiny_config):
     )
 
 
-LLAMA = _llama_like("Llama", ("llama",), lambda: LlamaConfig(**_SMALL))
-MISTRAL = _llama_like("Mistral", ("mistral",), lambda: MistralConfig(**_SMALL, sliding_window=4))
-QWEN2 = _llama_like("Qwen2", ("qwen2",), lambda: Qwen2Config(**_SMALL))
-QWEN3 = _llama_like("Qwen3", ("qwen3",), lambda: Qwen3Config(**_SMALL, head_dim=32))
+LLAMA = _llama_like("Llama", ("llama",), lambda: transformers.LlamaConfig(**_SMALL))
+MISTRAL = _llama_like("Mistral", ("mistral",), lambda: transformers.MistralConfig(**_SMALL, sliding_window=4))
+QWEN2 = _llama_like("Qwen2", ("qwen2",), lambda: transformers.Qwen2Config(**_SMALL))
+QWEN3 = _llama_like("Qwen3", ("qwen3",), lambda: transformers.Qwen3Config(**_SMALL, head_dim=32))
 
-SMOLLM3 = _llama_like("SmolLM3", ("smollm3",), lambda: SmolLM3Config(**_SMALL, pad_token_id=0))
-OLMO = _llama_like("OLMo", ("olmo",), lambda: OlmoConfig(**_SMALL))
-GEMMA = _llama_like("Gemma", ("gemma",), lambda: GemmaConfig(**_SMALL, head_dim=16))
+SMOLLM3 = _llama_like("SmolLM3", ("smollm3",), lambda: transformers.SmolLM3Config(**_SMALL, pad_token_id=0))
+OLMO = _llama_like("OLMo", ("olmo",), lambda: transformers.OlmoConfig(**_SMALL))
+GEMMA = _llama_like("Gemma", ("gemma",), lambda: transformers.GemmaConfig(**_SMALL, head_dim=16))

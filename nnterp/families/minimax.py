@@ -15,7 +15,7 @@ attention's values are unavailable, as on the other hybrids.
 
 import dataclasses
 
-from transformers import MiniMaxConfig
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Family, input, native, pre_norm_block
 from .hybrid import is_attention, mixer_block
@@ -61,7 +61,7 @@ MINIMAX = Family(
     name="MiniMax", model_types=("minimax",), **MODEL_LAYERS, block=_minimax_block,
     # blocks 0 and 2 softmax attention, 1 and 3 lightning attention; every factor off 1 and distinct, so a missing
     # one shows; a block of 4 positions so the lightning attention carries its state across blocks
-    tiny_config=lambda: MiniMaxConfig(
+    tiny_config=lambda: transformers.MiniMaxConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4,
         layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],

@@ -8,7 +8,7 @@ its head ``lm_head`` (dense, activation, norm: its output is hidden-sized) and t
 projection on the vocabulary; ``project_on_vocab`` runs both.
 """
 
-from transformers import ModernBertDecoderConfig
+import transformers
 
 from .base import Family, Unavailable, pre_norm_block
 
@@ -26,7 +26,7 @@ MODERNBERT_DECODER = Family(
     name="ModernBERT-decoder", model_types=("modernbert-decoder",), layers="model.layers",
     embed_tokens="model.embeddings.tok_embeddings", ln_final="model.final_norm", attention="attn", mlp="mlp",
     vocab_projection="decoder", block=_block,
-    tiny_config=lambda: ModernBertDecoderConfig(
+    tiny_config=lambda: transformers.ModernBertDecoderConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=128,
         max_position_embeddings=64, sliding_window=4, local_attention=8, pad_token_id=0, eos_token_id=2,
         bos_token_id=1, cls_token_id=1, sep_token_id=2,

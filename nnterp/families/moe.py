@@ -12,15 +12,7 @@ outputs before one output projection (``attention_premix``) and the values insid
 do not exist; its ``self_attention`` returns ``(output, weights, router_logits)``.
 """
 
-from transformers import (
-    DeepseekV3Config,
-    GptOssConfig,
-    JetMoeConfig,
-    MixtralConfig,
-    OlmoeConfig,
-    Qwen2MoeConfig,
-    Qwen3MoeConfig,
-)
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, STANDARD, WITH_SINKS, Family, Unavailable, pre_norm_block
 
@@ -66,18 +58,19 @@ def _always(config, i):
     return True
 
 
-MIXTRAL = _moe("Mixtral", "mixtral", routed_layer, lambda: MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2))
-QWEN2_MOE = _moe("Qwen2-MoE", "qwen2_moe", routed_layer, lambda: Qwen2MoeConfig(
+MIXTRAL = _moe("Mixtral", "mixtral", routed_layer,
+               lambda: transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2))
+QWEN2_MOE = _moe("Qwen2-MoE", "qwen2_moe", routed_layer, lambda: transformers.Qwen2MoeConfig(
     **_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
     decoder_sparse_step=1, mlp_only_layers=[1]))
-QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", routed_layer, lambda: Qwen3MoeConfig(
+QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", routed_layer, lambda: transformers.Qwen3MoeConfig(
     **_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2))
-OLMOE = _moe("OLMoE", "olmoe", _always, lambda: OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
-GPT_OSS = _moe("GPT-OSS", "gpt_oss", _always, lambda: GptOssConfig(
+OLMOE = _moe("OLMoE", "olmoe", _always, lambda: transformers.OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
+GPT_OSS = _moe("GPT-OSS", "gpt_oss", _always, lambda: transformers.GptOssConfig(
     **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
     layer_types=["sliding_attention", "full_attention", "sliding_attention"]), attention_internals=WITH_SINKS)
 DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", routed_layer,
-                   lambda: DeepseekV3Config(
+                   lambda: transformers.DeepseekV3Config(
                        **{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
@@ -90,7 +83,7 @@ JETMOE = Family(
         input_norm="input_layernorm", attention="self_attention", o_proj="", post_norm="post_attention_layernorm",
         mlp="mlp", act="", down_proj="", attention_premix=_ROUTED_HEADS, mlp_activation=ROUTED, mlp_neurons=ROUTED),
     attention_internals=_ROUTED_HEADS,
-    tiny_config=lambda: JetMoeConfig(hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16,
-                                     intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-                                     vocab_size=128, max_position_embeddings=64),
+    tiny_config=lambda: transformers.JetMoeConfig(
+        hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16, intermediate_size=64,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64),
 )

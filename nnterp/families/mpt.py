@@ -5,7 +5,7 @@
 so its contribution is the attention's output. The block returns a tuple.
 """
 
-from transformers import MptConfig
+import transformers
 
 from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
 
@@ -23,5 +23,5 @@ MPT = Family(
         act="ffn.act", down_proj="ffn.down_proj", mlp_output=output("ffn.down_proj"),
     ),
     skip_output=stream_and_none,
-    tiny_config=lambda: MptConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=128, max_seq_len=64),
+    tiny_config=lambda: transformers.MptConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=128, max_seq_len=64),
 )

@@ -27,16 +27,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from transformers import (
-    Emu3Config,
-    Emu3TextConfig,
-    FuyuConfig,
-    GotOcr2Config,
-    MoshiConfig,
-    MossTranscribeDiarizeConfig,
-    Phi4MultimodalConfig,
-    PretrainedConfig,
-)
+import transformers
+from transformers import PretrainedConfig
 
 from .base import MODEL_LAYERS, Family, pre_norm_block
 from .llama import LLAMA, QWEN2, QWEN3
@@ -63,20 +55,21 @@ def same_blocks(family: Family, name: str, model_types: tuple[str, ...], tiny_co
         checkpoint_keys=checkpoint_keys)
 
 
-GOT_OCR2 = same_blocks(QWEN2, "GOT-OCR2", ("got_ocr2",), lambda: GotOcr2Config(
+GOT_OCR2 = same_blocks(QWEN2, "GOT-OCR2", ("got_ocr2",), lambda: transformers.GotOcr2Config(
     text_config=QWEN2.tiny_config().to_dict(), image_token_index=_PLACEHOLDER, image_seq_length=4,
     vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=64,
                        patch_size=16, window_size=2, global_attn_indexes=[1], mlp_dim=64)))
 MOSS_TRANSCRIBE_DIARIZE = same_blocks(QWEN3, "MOSS-Transcribe-Diarize", ("moss_transcribe_diarize",), lambda: (
-    MossTranscribeDiarizeConfig(text_config=QWEN3.tiny_config().to_dict(), audio_token_id=_PLACEHOLDER,
-                                audio_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                  num_attention_heads=2, num_mel_bins=16, max_source_positions=32))))
-FUYU = same_blocks(PERSIMMON, "Fuyu", ("fuyu",), lambda: FuyuConfig(
+    transformers.MossTranscribeDiarizeConfig(
+        text_config=QWEN3.tiny_config().to_dict(), audio_token_id=_PLACEHOLDER,
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_mel_bins=16, max_source_positions=32))))
+FUYU = same_blocks(PERSIMMON, "Fuyu", ("fuyu",), lambda: transformers.FuyuConfig(
     text_config=PERSIMMON.tiny_config().to_dict(), image_size=16, patch_size=4, image_token_id=_PLACEHOLDER))
-EMU3 = same_blocks(LLAMA, "Emu3", ("emu3", "emu3_text_model"), lambda: Emu3Config(
-    text_config=Emu3TextConfig(**_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2).to_dict()),
+EMU3 = same_blocks(LLAMA, "Emu3", ("emu3", "emu3_text_model"), lambda: transformers.Emu3Config(
+    text_config=transformers.Emu3TextConfig(**_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2).to_dict()),
     language_model=False, checkpoint_keys=((r"^text_model\.model\.", "model."), (r"^text_model\.lm_head", "lm_head")))
-PHI4_MULTIMODAL = same_blocks(PHI3, "Phi-4-multimodal", ("phi4_multimodal",), lambda: Phi4MultimodalConfig(
+PHI4_MULTIMODAL = same_blocks(PHI3, "Phi-4-multimodal", ("phi4_multimodal",), lambda: transformers.Phi4MultimodalConfig(
     **_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        image_size=28, crop_size=28, patch_size=14, image_token_id=_PLACEHOLDER - 1),
@@ -91,9 +84,9 @@ MOSHI = Family(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.fc2",
     ),
-    tiny_config=lambda: MoshiConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                    head_dim=16, ffn_dim=256, vocab_size=128, max_position_embeddings=64,
-                                    sliding_window=64),
+    tiny_config=lambda: transformers.MoshiConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, ffn_dim=256,
+        vocab_size=128, max_position_embeddings=64, sliding_window=64),
     checkpoint_keys=((r"^decoder\.", ""),),  # a MoshiForConditionalGeneration checkpoint's temporal transformer
 )
 

@@ -16,7 +16,7 @@ the model transposes them), the scores and the probabilities inside ``_attn``.
 
 from dataclasses import dataclass
 
-from transformers import OpenAIGPTConfig
+import transformers
 
 from .base import At, EagerAttention, Family, input, output, post_norm_block
 
@@ -60,5 +60,5 @@ OPENAI_GPT = Family(
     attention_internals=OwnAttention(),
     # the model reads a block's output as ``outputs[0]``: a skipped block hands on a list
     skip_output=lambda stream, block: [stream],
-    tiny_config=lambda: OpenAIGPTConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
+    tiny_config=lambda: transformers.OpenAIGPTConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
 )

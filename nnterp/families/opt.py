@@ -18,7 +18,7 @@ model has no final norm: ``model.ln_final`` does not exist and the head reads th
 ``project_on_vocab`` runs ``project_out`` too.
 """
 
-from transformers import OPTConfig
+import transformers
 
 from .base import Family, input, output, post_norm_block, pre_norm_block
 
@@ -59,8 +59,8 @@ OPT = Family(
     attention="self_attn",
     mlp=None,
     block=_block,
-    tiny_config=lambda: OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, ffn_dim=128,
-                                  vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=64),
+    tiny_config=lambda: transformers.OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, ffn_dim=128,
+                                               vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=64),
     variants=(("pre-norm", {}), ("post-norm (OPT-350m)", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})),
     per_config=_per_config,
 )

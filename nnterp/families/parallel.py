@@ -6,7 +6,7 @@ Cohere's block with a routed mixture for MLP on the layers its ``mlp_layer_types
 sparse; Cohere and it scale the head's output by ``logit_scale``.
 """
 
-from transformers import Cohere2MoeConfig, CohereConfig, PhiConfig, StableLmConfig
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Family, parallel_block, pre_norm_block
 from .moe import routed_layer
@@ -30,9 +30,9 @@ def _family(name, model_type, ln_final, block, tiny_config, **options):
 
 PHI = _family("Phi", "phi", "model.final_layernorm", lambda config, i: parallel_block(
     input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.dense", mlp="mlp",
-    act="mlp.activation_fn", down_proj="mlp.fc2", order="(a + m) + x"), lambda: PhiConfig(**_SMALL))
+    act="mlp.activation_fn", down_proj="mlp.fc2", order="(a + m) + x"), lambda: transformers.PhiConfig(**_SMALL))
 STABLELM = _family("StableLM", "stablelm", "model.norm", _stablelm_block,
-                   lambda: StableLmConfig(**_SMALL, num_key_value_heads=4, use_parallel_residual=True),
+                   lambda: transformers.StableLmConfig(**_SMALL, num_key_value_heads=4, use_parallel_residual=True),
                    variants=(("`use_parallel_residual=True`", {}),
                              ("`use_parallel_residual=False`", {"use_parallel_residual": False})))
 
@@ -46,11 +46,11 @@ def _cohere_block(config, i):
 COHERE = _family("Cohere", "cohere", "model.norm", lambda config, i: parallel_block(
     input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
     act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m"),
-    lambda: CohereConfig(**_SMALL, num_key_value_heads=2, use_qk_norm=False, logit_scale=0.5),
+    lambda: transformers.CohereConfig(**_SMALL, num_key_value_heads=2, use_qk_norm=False, logit_scale=0.5),
     logits_transform=lambda logits, config: logits * config.logit_scale)  # Cohere scales the head's output
 COHERE2_MOE = _family("Cohere2-MoE", "cohere2_moe", "model.norm", _cohere_block,
-                      lambda: Cohere2MoeConfig(**_SMALL, num_key_value_heads=2, head_dim=16, num_experts=4,
-                                               num_experts_per_tok=2, sliding_window=4, logit_scale=0.5,
-                                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                               mlp_layer_types=["dense", "sparse", "sparse"]),
+                      lambda: transformers.Cohere2MoeConfig(**_SMALL, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                                            num_experts_per_tok=2, sliding_window=4, logit_scale=0.5,
+                                                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                            mlp_layer_types=["dense", "sparse", "sparse"]),
                       logits_transform=lambda logits, config: logits * config.logit_scale)

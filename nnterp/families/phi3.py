@@ -5,7 +5,7 @@ The contributions are the outputs of ``resid_attn_dropout`` and ``resid_mlp_drop
 activation module is ``activation_fn`` on the gate half of ``gate_up_proj``.
 """
 
-from transformers import Phi3Config
+import transformers
 
 from .base import MODEL_LAYERS, Family, output, pre_norm_block
 
@@ -18,7 +18,7 @@ PHI3 = Family(
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
         attention_output=output("resid_attn_dropout"), mlp_output=output("resid_mlp_dropout"),
     ),
-    tiny_config=lambda: Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-                                   pad_token_id=0),
+    tiny_config=lambda: transformers.Phi3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, pad_token_id=0),
 )

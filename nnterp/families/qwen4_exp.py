@@ -16,7 +16,7 @@ routed mixture with a gated shared expert. There is no final norm: ``model.hyper
 Qwen4-Exp checkpoints carry an image-text config; the causal LM built from it is the text model.
 """
 
-from transformers import Qwen4ExpTextConfig
+import transformers
 
 from .base import ROUTED, Block, Family, input, output, pre_norm_block
 from .hybrid import mixer_block
@@ -56,7 +56,7 @@ QWEN4_EXP = Family(
     layers="model.layers", embed_tokens="model.embed_tokens", ln_final="model.hyper_connection_mixer",
     attention="self_attn", mlp="mlp", block=_block,
     premix_is_not_mixed_values="each head's output is multiplied by a sigmoid gate (from q_proj) before o_proj",
-    tiny_config=lambda: Qwen4ExpTextConfig(
+    tiny_config=lambda: transformers.Qwen4ExpTextConfig(
         vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
         moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,

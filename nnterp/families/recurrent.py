@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import FalconMambaConfig, Mamba2Config, MambaConfig, NemotronHConfig, RwkvConfig, xLSTMConfig
+import transformers
 
 from ..catalog import ATTENTION_VALUES
 from ..errors import UnsupportedConfig
@@ -107,10 +107,10 @@ def _mamba(name: str, model_type: str, tiny_config) -> Family:
 
 
 _SMALL = dict(hidden_size=64, num_hidden_layers=3, vocab_size=128, state_size=8, conv_kernel=4, expand=2)
-MAMBA = _mamba("Mamba", "mamba", lambda: MambaConfig(**_SMALL, time_step_rank=4))
-MAMBA2 = _mamba("Mamba-2", "mamba2", lambda: Mamba2Config(
+MAMBA = _mamba("Mamba", "mamba", lambda: transformers.MambaConfig(**_SMALL, time_step_rank=4))
+MAMBA2 = _mamba("Mamba-2", "mamba2", lambda: transformers.Mamba2Config(
     **_SMALL, num_heads=8, head_dim=16, n_groups=2, chunk_size=16))
-FALCON_MAMBA = _mamba("Falcon-Mamba", "falcon_mamba", lambda: FalconMambaConfig(
+FALCON_MAMBA = _mamba("Falcon-Mamba", "falcon_mamba", lambda: transformers.FalconMambaConfig(
     **_SMALL, time_step_rank=4))
 
 
@@ -145,8 +145,9 @@ RWKV = Family(
     before_final_norm=_rwkv_readout,
     skip_output=lambda stream, block: (stream, block.inputs[1].get("state"), None),  # (hidden, state, attentions)
     # blocks 1 and 3 are followed by a halving of the stream (rescale_every=2), block 3's before the final norm
-    tiny_config=lambda: RwkvConfig(hidden_size=64, attention_hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   vocab_size=128, context_length=64, rescale_every=2),
+    tiny_config=lambda: transformers.RwkvConfig(
+        hidden_size=64, attention_hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=128,
+        context_length=64, rescale_every=2),
 )
 
 
@@ -168,7 +169,8 @@ XLSTM = Family(
     ln_final="backbone.out_norm", attention=None, mlp="ffn", block=_xlstm_block, attention_internals=NO_ATTENTION,
     logits_transform=_xlstm_logits, skip_output=lambda stream, block: (stream, block.inputs[0][1]),  # (hidden, state)
     # the default factors (qk 0.5, v 1.0): hidden_size 128 makes both widths multiples of 64, as the cache needs
-    tiny_config=lambda: xLSTMConfig(hidden_size=128, num_hidden_layers=3, num_heads=4, vocab_size=128, chunk_size=16),
+    tiny_config=lambda: transformers.xLSTMConfig(
+        hidden_size=128, num_hidden_layers=3, num_heads=4, vocab_size=128, chunk_size=16),
 )
 
 
@@ -222,7 +224,7 @@ NEMOTRON_H = Family(
     name="Nemotron-H", model_types=("nemotron_h",), layers="model.layers", embed_tokens="model.embeddings",
     ln_final="model.norm_f", attention="mixer", mlp="mixer", sublayer_classes=_nemotron_h_sublayers,
     block=_nemotron_h_block, logits_transform=_float_logits, check_config=_check_nemotron_h,
-    tiny_config=lambda: NemotronHConfig(
+    tiny_config=lambda: transformers.NemotronHConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
         intermediate_size=128, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
         ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4,

@@ -34,7 +34,7 @@ code, given position ids): run such prompts one at a time, or at lengths the chu
 import warnings
 
 import torch
-from transformers import ReformerConfig
+import transformers
 
 from ..errors import UnsupportedConfig
 from .base import Block, Family, Unavailable, input, output
@@ -121,7 +121,7 @@ REFORMER = Family(
         "buckets and attend within chunks of the positions sorted by bucket, local layers within neighbouring chunks, "
         "so no [query, key] scores over the positions exist, and its queries and keys are not at module boundaries"),
     skip_output=_skipped,
-    tiny_config=lambda: ReformerConfig(
+    tiny_config=lambda: transformers.ReformerConfig(
         vocab_size=128, hidden_size=32, num_attention_heads=4, attention_head_size=8, feed_forward_size=64,
         attn_layers=["local", "lsh", "local", "lsh"], axial_pos_shape=(4, 8), axial_pos_embds_dim=(8, 24),
         max_position_embeddings=32, local_attn_chunk_length=2, lsh_attn_chunk_length=4, num_buckets=2,

@@ -11,14 +11,7 @@ final norm is ``model.final_layernorm``. nanochat and VaultGemma softcap their l
 ``tanh(logits / cap) * cap``.
 """
 
-from transformers import (
-    ApertusConfig,
-    GlmConfig,
-    NanoChatConfig,
-    PersimmonConfig,
-    Starcoder2Config,
-    VaultGemmaConfig,
-)
+import transformers
 
 from .base import MODEL_LAYERS, Family, pre_norm_block, softcap_logits
 
@@ -36,19 +29,20 @@ def _renamed(name, model_types, tiny_config, *, act, down_proj, input_norm="inpu
                   tiny_config=tiny_config, **readout)
 
 
-STARCODER2 = _renamed("StarCoder2", ("starcoder2",), lambda: Starcoder2Config(**_SMALL, num_key_value_heads=2),
+STARCODER2 = _renamed("StarCoder2", ("starcoder2",),
+                      lambda: transformers.Starcoder2Config(**_SMALL, num_key_value_heads=2),
                       act="mlp.act", down_proj="mlp.c_proj")
-GLM = _renamed("GLM", ("glm",), lambda: GlmConfig(**_SMALL, num_key_value_heads=2, head_dim=16, pad_token_id=0,
-                                                   eos_token_id=2),
+GLM = _renamed("GLM", ("glm",), lambda: transformers.GlmConfig(**_SMALL, num_key_value_heads=2, head_dim=16,
+                                                               pad_token_id=0, eos_token_id=2),
                act="mlp.activation_fn", down_proj="mlp.down_proj")
-NANOCHAT = _renamed("nanochat", ("nanochat",), lambda: NanoChatConfig(**_SMALL, num_key_value_heads=2),
+NANOCHAT = _renamed("nanochat", ("nanochat",), lambda: transformers.NanoChatConfig(**_SMALL, num_key_value_heads=2),
                     act="mlp.activation_fn", down_proj="mlp.fc2", logits_transform=softcap_logits)
-VAULTGEMMA = _renamed("VaultGemma", ("vaultgemma",), lambda: VaultGemmaConfig(
+VAULTGEMMA = _renamed("VaultGemma", ("vaultgemma",), lambda: transformers.VaultGemmaConfig(
     **_SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
     act="mlp.act_fn", down_proj="mlp.down_proj", post_norm="pre_feedforward_layernorm", logits_transform=softcap_logits)
-APERTUS = _renamed("Apertus", ("apertus",), lambda: ApertusConfig(**_SMALL, num_key_value_heads=2),
+APERTUS = _renamed("Apertus", ("apertus",), lambda: transformers.ApertusConfig(**_SMALL, num_key_value_heads=2),
                    act="mlp.act_fn", down_proj="mlp.down_proj", input_norm="attention_layernorm",
                    post_norm="feedforward_layernorm")
-PERSIMMON = _renamed("Persimmon", ("persimmon",), lambda: PersimmonConfig(**_SMALL),
+PERSIMMON = _renamed("Persimmon", ("persimmon",), lambda: transformers.PersimmonConfig(**_SMALL),
                      act="mlp.act", down_proj="mlp.dense_4h_to_h", o_proj="self_attn.dense",
                      ln_final="model.final_layernorm")

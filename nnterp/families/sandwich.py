@@ -14,18 +14,7 @@ gates each head's output (a sigmoid of ``gate_proj``) before ``o_proj``. FlexOlm
 with a routed mixture for MLP.
 """
 
-from transformers import (
-    AfmoeConfig,
-    FlexOlmoConfig,
-    Gemma2Config,
-    Gemma3Config,
-    Gemma3TextConfig,
-    Glm4Config,
-    Kolibri1Config,
-    Olmo2Config,
-    Olmo3Config,
-    SiglipVisionConfig,
-)
+import transformers
 
 from .base import MODEL_LAYERS, ROUTED, Family, Unavailable, input, output, pre_norm_block, softcap_logits
 
@@ -83,10 +72,10 @@ def _family(name, model_type, block, tiny_config, **readout):
     )
 
 
-GEMMA2 = _family("Gemma-2", "gemma2", _gemma_block, lambda: Gemma2Config(
+GEMMA2 = _family("Gemma-2", "gemma2", _gemma_block, lambda: transformers.Gemma2Config(
     **_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=30.0,
     attn_logit_softcapping=50.0), logits_transform=softcap_logits)
-GEMMA3 = _family("Gemma-3", "gemma3_text", _gemma_block, lambda: Gemma3TextConfig(
+GEMMA3 = _family("Gemma-3", "gemma3_text", _gemma_block, lambda: transformers.Gemma3TextConfig(
     **_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=_LAYER_TYPES,
     final_logit_softcapping=30.0), logits_transform=softcap_logits)
 # Gemma-3 checkpoints of 4B and more are image-text models: the same blocks, under model.language_model.
@@ -94,21 +83,24 @@ GEMMA3_MULTIMODAL = Family(
     name="Gemma-3 (image-text)", model_types=("gemma3",), layers="model.language_model.layers",
     embed_tokens="model.language_model.embed_tokens", ln_final="model.language_model.norm",
     attention="self_attn", mlp="mlp", block=_gemma_block,  # no final softcapping in this class
-    tiny_config=lambda: Gemma3Config(
+    tiny_config=lambda: transformers.Gemma3Config(
         text_config=GEMMA3.tiny_config().to_dict(), mm_tokens_per_image=16,
-        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, image_size=32, patch_size=8).to_dict()),
+        vision_config=transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2, image_size=32, patch_size=8).to_dict()),
 )
-OLMO2 = _family("OLMo-2", "olmo2", _olmo2_block, lambda: Olmo2Config(**_SMALL))
-OLMO3 = _family("OLMo-3", "olmo3", _olmo2_block, lambda: Olmo3Config(**_SMALL, sliding_window=4,
-                                                                      layer_types=_LAYER_TYPES))
-GLM4 = _family("GLM-4", "glm4", _glm4_block, lambda: Glm4Config(**_SMALL, head_dim=16, pad_token_id=0, eos_token_id=2))
-KOLIBRI1 = _family("Kolibri-1", "kolibri1", lambda config, i: _glm4_block(config, i, routed=True), lambda: Kolibri1Config(
+OLMO2 = _family("OLMo-2", "olmo2", _olmo2_block, lambda: transformers.Olmo2Config(**_SMALL))
+OLMO3 = _family("OLMo-3", "olmo3", _olmo2_block,
+                lambda: transformers.Olmo3Config(**_SMALL, sliding_window=4, layer_types=_LAYER_TYPES))
+GLM4 = _family("GLM-4", "glm4", _glm4_block,
+               lambda: transformers.Glm4Config(**_SMALL, head_dim=16, pad_token_id=0, eos_token_id=2))
+KOLIBRI1 = _family("Kolibri-1", "kolibri1", lambda config, i: _glm4_block(config, i, routed=True),
+                   lambda: transformers.Kolibri1Config(
     **_SMALL, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
     num_experts_per_tok=2, sliding_window=4))
 FLEX_OLMO = _family("FlexOlmo", "flex_olmo", lambda config, i: _olmo2_block(config, i, routed=True),
-                    lambda: FlexOlmoConfig(**_SMALL, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2))
-AFMOE = _family("AfMoE", "afmoe", _afmoe_block, lambda: AfmoeConfig(
+                    lambda: transformers.FlexOlmoConfig(**_SMALL, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                                        eos_token_id=2))
+AFMOE = _family("AfMoE", "afmoe", _afmoe_block, lambda: transformers.AfmoeConfig(
     **_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
     sliding_window=4, layer_types=_LAYER_TYPES),
     premix_is_not_mixed_values="the attention gates each head's output (a sigmoid of gate_proj) before o_proj")

@@ -27,7 +27,7 @@
 from dataclasses import replace
 
 import torch
-from transformers import FalconH1Config, GPTNeoXJapaneseConfig, RecurrentGemmaConfig
+import transformers
 
 from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
 from .hybrid import is_attention, mixer_block
@@ -65,7 +65,7 @@ RECURRENT_GEMMA = _TemporalBlocks(
     ln_final="model.final_norm", attention="temporal_block", mlp="mlp_block", block=_griffin_block,
     logits_transform=_softcap,
     # blocks 0 and 1 recurrent, 2 local attention (a window of 3 tokens), 3 recurrent
-    tiny_config=lambda: RecurrentGemmaConfig(
+    tiny_config=lambda: transformers.RecurrentGemmaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, lru_width=64, attention_window_size=3, block_types=["recurrent", "recurrent", "attention"],
         logits_soft_cap=3.0),
@@ -94,7 +94,7 @@ FALCON_H1 = Family(
     skip_output=lambda stream, block: (stream,),  # its blocks return (hidden,) and the model reads [0]
     logits_transform=lambda logits, config: logits * config.lm_head_multiplier,
     # every multiplier off 1, so a missing factor shows
-    tiny_config=lambda: FalconH1Config(
+    tiny_config=lambda: transformers.FalconH1Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
         mamba_d_state=8, mamba_chunk_size=16, embedding_multiplier=3.0, lm_head_multiplier=0.375,
@@ -116,7 +116,7 @@ GPT_NEOX_JAPANESE = Family(
     embed_tokens="gpt_neox_japanese.embed_in", ln_final="gpt_neox_japanese.final_layer_norm", attention="attention",
     mlp="mlp", lm_head="embed_out", block=_neox_japanese_block, attention_internals=OWN_ATTENTION,
     skip_output=stream_and_none,  # its blocks return (hidden, attention weights) and the model reads [0]
-    tiny_config=lambda: GPTNeoXJapaneseConfig(
+    tiny_config=lambda: transformers.GPTNeoXJapaneseConfig(
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_multiple_size=2, vocab_size=128,
         max_position_embeddings=64),
 )

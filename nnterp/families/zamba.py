@@ -15,7 +15,7 @@ scan where the kernels are not installed (CPU).
 
 from __future__ import annotations
 
-from transformers import Zamba2Config, ZambaConfig
+import transformers
 
 from .base import Block, Family, SameAs, Unavailable, input, output
 from .recurrent import MLP_VALUES, NO_ATTENTION, not_attention
@@ -53,14 +53,15 @@ ZAMBA = Family(
     name="Zamba", model_types=("zamba",), layers="model.layers", embed_tokens="model.embed_tokens",
     ln_final="model.final_layernorm", attention=None, mlp=None, block=_zamba_block("shared_transf"),
     attention_internals=NO_ATTENTION,
-    tiny_config=lambda: ZambaConfig(**{**_SMALL, "layers_block_type": ["linear_attention", "hybrid"] * 2},
-                                    intermediate_size=128, n_mamba_heads=2, attn_layer_period=2, attn_layer_offset=1),
+    tiny_config=lambda: transformers.ZambaConfig(
+        **{**_SMALL, "layers_block_type": ["linear_attention", "hybrid"] * 2}, intermediate_size=128, n_mamba_heads=2,
+        attn_layer_period=2, attn_layer_offset=1),
 )
 ZAMBA2 = Family(
     name="Zamba2", model_types=("zamba2",), layers="model.layers", embed_tokens="model.embed_tokens",
     ln_final="model.final_layernorm", attention=None, mlp=None, block=_zamba_block("shared_transformer"),
     attention_internals=NO_ATTENTION,
-    tiny_config=lambda: Zamba2Config(**{**_SMALL, "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]},
-                                     intermediate_size=128, n_mamba_heads=8, chunk_size=16, num_mem_blocks=1,
-                                     use_shared_attention_adapter=True, adapter_rank=4),
+    tiny_config=lambda: transformers.Zamba2Config(
+        **{**_SMALL, "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]}, intermediate_size=128,
+        n_mamba_heads=8, chunk_size=16, num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=4),
 )
