@@ -3,8 +3,10 @@
 from . import legacy  # noqa: E402  (the 1.x names, installed onto the class)
 from .activation_cache import ActivationCache, run_with_cache
 from .allocator import tune_allocator
+from .analysis import AnalysisUnavailable
 from .catalog import CATALOG, Value
-from .collection import Collection, collect
+from .collection import Collection, CollectionError, collect
+from .dictionaries import Dictionary, DictionaryError, load_dictionary, site_table
 from .errors import (
     BadAssignment,
     NNterpError,
@@ -15,18 +17,20 @@ from .errors import (
     ValueUnavailable,
 )
 from .inference import infer_family
+from .inputs import BadInput
 from .interventions import (
-                            activation_patching,
-                            add_to,
-                            logit_difference,
-                            patchscope_lens,
-                            skip_layers,
-                            steered_generate,
-                            target_probability,
+    activation_patching,
+    add_to,
+    logit_difference,
+    patchscope_lens,
+    skip_layers,
+    steered_generate,
+    target_probability,
 )
 from .lens import logit_lens, top_tokens
 from .prompts import Prompt, first_tokens, run_prompts
 from .registry import RegistrationError, register_family, unregister_family
+from .splicing import Splice, splice, top_activations
 from .standardized import Availability, StandardizedTransformer
 from .tokens import AnswerToken, test_prompt, to_str_tokens, visible
 from .version import __version__
@@ -34,6 +38,16 @@ from .version import __version__
 __all__ = [
     "__version__",
     "ActivationCache",
+    "AnalysisUnavailable",
+    "BadInput",
+    "CollectionError",
+    "Dictionary",
+    "DictionaryError",
+    "Splice",
+    "load_dictionary",
+    "site_table",
+    "splice",
+    "top_activations",
     "AnswerToken",
     "CATALOG",
     "Collection",

@@ -2,7 +2,9 @@
 
 ``cache["layer_output", 5]`` is one block's value, ``cache["layer_output"]`` the value of every
 cached block stacked ``[layers, ...]``. The values are read with the engine's ``read_value`` in
-forward order, inside one trace, so ``remote=True`` runs it on the remote model.
+forward order, inside one trace, so ``remote=True`` runs it on the remote model. The cache also
+holds what the analyses need (``nnterp.analysis``): the identity's extra terms of each block and the
+final norm's input and output, from which the norms' scales of the pass are read.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections.abc import Iterable, Sequence
 
 import nnsight
 import torch
+from nnsight.intervention.interleaver import Mediator
 from transformers import BatchEncoding
 
+from . import analysis
 from .catalog import BY_NAME
 from .errors import ValueUnavailable
 from .selection import forward_order, layer_indices, layer_ranges, value_name
@@ -25,19 +29,29 @@ class ActivationCache:
     ``cache[name]``: every cached block's value stacked on a new first dimension, ``[layers, ...]``,
     in the order of ``cache.layers``. A name may be ``"mlp_output"`` or ``"mlp.mlp_output"``.
     A value that has no meaning on the block raises the model's ``ValueUnavailable``, with its reason.
+
+    Beside the values: ``cache["ln_final_input"]`` and ``cache["ln_final_output"]``, the final norm's input (the
+    stream it reads) and output; ``cache["ln_final_scale"]``, ``cache["attention_norm_scale", i]`` and
+    ``cache["mlp_norm_scale", i]``, the scale ``[batch, seq, 1]`` each norm divided by in the pass
+    (TransformerLens's ``hook_scale``); ``cache["extra.<name>", i]``, a term of block i's identity that is no
+    standard value (Falcon-H1's ``mamba``). The analysis methods are TransformerLens's (``nnterp.analysis``).
     """
 
     def __init__(self, values: dict[tuple[str, int], torch.Tensor], names: list[str], layers: list[int],
                  unavailable: dict[tuple[str, int], ValueUnavailable], num_layers: int,
-                 input_ids: torch.Tensor, attention_mask: torch.Tensor):
+                 input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None,
+                 readout: dict[str, torch.Tensor] | None = None):
         self._values, self._unavailable = values, unavailable
         self.names, self.layers, self.num_layers = names, layers, num_layers
         self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.model, self._readout = model, readout or {}
 
     def __getitem__(self, key) -> torch.Tensor:
         name, layer = (key if isinstance(key, tuple) and len(key) == 2 else (key, None))
         if not isinstance(name, str):
             raise TypeError(f"Index a cache with a value name, or (name, layer): cache['layer_output', 5], not {key!r}.")
+        if name in READOUT or name in SCALES or name.startswith("extra."):
+            return self._beside(name, layer)
         name = value_name(name)
         if name not in self.names and not any(key[0] == name for key in self._unavailable):
             raise KeyError(f"{name!r} was not cached: this cache holds {', '.join(self.names)}. Pass it in "
@@ -45,6 +59,32 @@ class ActivationCache:
         if layer is None:
             return self._stacked(name)
         return self._one(name, self._layer(layer))
+
+    def _beside(self, name: str, layer) -> torch.Tensor:
+        """The entries beside the values: the final norm's input, output and scale, the block norms' scales, and
+        the identity's extra terms."""
+        if name in READOUT:
+            if layer is not None:
+                raise TypeError(f"{name!r} is the model's, not a block's: cache[{name!r}].")
+            if name == "ln_final_scale":
+                norm = analysis.frozen_norm(self, None)
+                if norm is None:
+                    raise KeyError(f"{self.model.family.name} has no final norm: its head reads the last block's output.")
+                return norm.scale
+            if name not in self._readout:
+                raise KeyError(f"{name!r} is not in this cache: the model has no final norm, or the cache was not made "
+                               "by run_with_cache.")
+            return self._readout[name]
+        if layer is None:
+            return torch.stack([self._beside(name, i) for i in self.layers])
+        layer = self._layer(layer)
+        if name in SCALES:
+            return analysis.frozen_norm(self, layer, mlp_input=name == "mlp_norm_scale").scale
+        if (name, layer) not in self._values:
+            extras = [f"extra.{term}" for term in self.model.block_spec(layer).extra]
+            raise KeyError(f"{name!r} of layer {layer} is not in this cache: block {layer}'s identity has "
+                           f"{', '.join(extras) or 'no extra terms'}, which run_with_cache caches with names=None.")
+        return self._values[(name, layer)]
 
     def _layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int):
@@ -77,8 +117,50 @@ class ActivationCache:
                              f"cannot be stacked: read one layer at a time, cache[{name!r}, layer].")
         return torch.stack([t.to(tensors[0].device) for t in tensors])
 
+    # -- TransformerLens's analyses (nnterp.analysis) ------------------------------------------------
+
+    def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
+                          pos_slice=None, mlp_input: bool = False, return_labels: bool = False):
+        """The stream as each block receives it, then as the final norm reads it (``nnterp.analysis``)."""
+        return analysis.accumulated_resid(self, layer, incl_mid, apply_ln, pos_slice, mlp_input, return_labels)
+
+    def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, mode: str = "all",
+                        apply_ln: bool = False, pos_slice=None, incl_embeds: bool = True, return_labels: bool = False):
+        """The stream at ``layer`` as what each block added to it, summing to it exactly (``nnterp.analysis``)."""
+        return analysis.decompose_resid(self, layer, mlp_input, mode, apply_ln, pos_slice, incl_embeds, return_labels)
+
+    def recompose_resid(self, residual_stack: torch.Tensor, layer: int | None = None,
+                        mlp_input: bool = False) -> torch.Tensor:
+        """The rows of ``decompose_resid(layer, mlp_input)`` added in the family's order: the stream, bit for bit."""
+        return analysis.recompose(self, residual_stack, layer, mlp_input)
+
+    def stack_head_results(self, layer: int | None = -1, return_labels: bool = False, incl_remainder: bool = False,
+                           pos_slice=None, apply_ln: bool = False):
+        """Every attention head's share of the stream, for the blocks before ``layer`` (``nnterp.analysis``)."""
+        return analysis.stack_head_results(self, layer, return_labels, incl_remainder, pos_slice, apply_ln)
+
+    def stack_neuron_results(self, layer: int | None, pos_slice=None, neuron_slice=None, return_labels: bool = False,
+                             incl_remainder: bool = False, apply_ln: bool = False):
+        """Every MLP neuron's share of the stream, for the blocks before ``layer`` (``nnterp.analysis``)."""
+        return analysis.stack_neuron_results(self, layer, pos_slice, neuron_slice, return_labels, incl_remainder,
+                                             apply_ln)
+
+    def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
+                          pos_slice=None, batch_slice=None, has_batch_dim: bool = True, recompute_ln: bool = False,
+                          incl_bias: bool = True, labels=None):
+        """A stack through a norm frozen at its scale of the pass, its bias a row of its own (``nnterp.analysis``)."""
+        return analysis.apply_ln_to_stack(self, residual_stack, layer, mlp_input, pos_slice, batch_slice,
+                                          has_batch_dim, recompute_ln, incl_bias, labels)
+
+    def logit_attrs(self, residual_stack: torch.Tensor, tokens, incorrect_tokens=None, pos_slice=None,
+                    batch_slice=None, has_batch_dim: bool = True, incl_bias: bool = True, labels=None,
+                    before_logits_transform: bool = False):
+        """Direct logit attribution of a stack's rows, summing to the logit with the biases (``nnterp.analysis``)."""
+        return analysis.logit_attrs(self, residual_stack, tokens, incorrect_tokens, pos_slice, batch_slice,
+                                    has_batch_dim, incl_bias, labels, before_logits_transform)
+
     def keys(self) -> list[tuple[str, int]]:
-        """The ``(name, layer)`` pairs that hold a tensor, by layer, then in the catalog's order."""
+        """The ``(name, layer)`` pairs that hold a value, by layer, then in the catalog's order."""
         return [(name, layer) for layer in self.layers for name in self.names if (name, layer) in self._values]
 
     def __contains__(self, key) -> bool:
@@ -88,7 +170,7 @@ class ActivationCache:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self.keys())
 
     def __repr__(self) -> str:
         batch, seq = self.input_ids.shape
@@ -104,8 +186,9 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     ``prompts``: a string, a list of strings (padded as the model's traces pad them; the cache's
     ``attention_mask`` marks the real tokens) or token ids ``[batch, seq]``. ``names=None`` caches
     every value each block has (the attention internals while they are on,
-    ``model.enable_attention_values()``); a value named explicitly that a block lacks raises the
-    model's ``ValueUnavailable`` before anything runs. Runs without gradients.
+    ``model.enable_attention_values()``) and the extra terms of each block's identity; a value named
+    explicitly that a block lacks raises the model's ``ValueUnavailable`` before anything runs. The final
+    norm's input and output are cached too. Runs without gradients.
     """
     explicit = names is not None
     names = list(BY_NAME) if names is None else [value_name(n) for n in ([names] if isinstance(names, str) else names)]
@@ -114,7 +197,6 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     inputs = _inputs(model, prompts)
     plan, unavailable = {}, {}
     for layer in forward_order(layers):
-        order = model.order(layer, aliases=True)
         here = []
         for name in names:
             try:
@@ -127,15 +209,33 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
                 unavailable[(name, layer)] = error
                 continue
             here.append(name)
-        plan[layer] = sorted(here, key=lambda name, order=order: order[BY_NAME[name].key])  # forward order
+        keys = {BY_NAME[name].key: name for name in here}
+        # forward order; the identity's extra terms too when every value is cached
+        plan[layer] = [(keys.get(key, key), location) for _, key, location in model.timeline(layer)
+                       if key in keys or (not explicit and key.startswith("extra."))]
+    final_norm = model.family.ln_final is not None
     with torch.no_grad(), model.trace(inputs, remote=remote):
         # detached: a server may run the pass with autograd on
-        values = nnsight.save({(name, layer): model.read_value(layer, name).detach()
-                               for layer in plan for name in plan[layer]})
+        values = nnsight.save({(name, layer): (model.read_at(layer, location, name) if name.startswith("extra.")
+                                               else model.read_value(layer, name)).detach()
+                               for layer in plan for name, location in plan[layer]})
+        readout = nnsight.save(_final_norm(model) if final_norm else {})
         logits = nnsight.save(model.logits.detach())
     names = [name for name in names if any((name, layer) in values for layer in layers)]  # those it holds
     return logits, ActivationCache(values, names, list(dict.fromkeys(layers)), unavailable, model.num_layers,
-                                   inputs["input_ids"], inputs["attention_mask"])
+                                   inputs["input_ids"], inputs["attention_mask"], model, readout)
+
+
+def _final_norm(model) -> dict[str, torch.Tensor]:
+    """Inside a trace, after the blocks: the final norm's input and output, at its call after them (a model may norm
+    its embeddings with the same module first: NanoChat)."""
+    mediator = Mediator.current("run_with_cache's final norm")
+    norm, pinned = model.ln_final, mediator.iteration
+    mediator.iteration = mediator.occurrence(f"{norm.path}.input")  # its next call, whichever it is in the pass
+    try:
+        return {"ln_final_input": norm.input.detach(), "ln_final_output": norm.output.detach()}
+    finally:
+        mediator.iteration = pinned
 
 
 def _inputs(model, prompts) -> BatchEncoding:
@@ -152,5 +252,8 @@ def _inputs(model, prompts) -> BatchEncoding:
         raise TypeError("prompts is a string, a non-empty list of strings, or a tensor of token ids.")
     return model.tokenizer(prompts, return_tensors="pt", padding=True)
 
+
+READOUT = ("ln_final_input", "ln_final_output", "ln_final_scale")
+SCALES = ("attention_norm_scale", "mlp_norm_scale")
 
 __all__ = ["ActivationCache", "run_with_cache"]
