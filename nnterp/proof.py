@@ -6,8 +6,12 @@ and imports nothing above it. ``nnterp.validation`` is its public face.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
+import re
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -135,6 +139,40 @@ CACHE_FORMAT = 5  # bump when what a validation checks or records changes (5: th
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
+def stable(obj, depth: int = 0):
+    """A description of a spec's piece that is the same in every process: a function by its name and code (its
+    bytecode, constants and captured values), a dataclass by its fields, where ``repr`` would hold a memory address."""
+    if depth > 8:
+        return "..."
+    if isinstance(obj, functools.partial):
+        return ["partial", stable(obj.func, depth + 1), stable(obj.args, depth + 1), stable(obj.keywords, depth + 1)]
+    if isinstance(obj, types.MethodType):
+        return ["method", stable(obj.__func__, depth + 1)]
+    if isinstance(obj, types.FunctionType):
+        captured = [cell.cell_contents for cell in obj.__closure__ or () if cell.cell_contents is not obj]
+        return ["function", obj.__module__, obj.__qualname__, _code(obj.__code__),
+                stable(captured, depth + 1), stable(obj.__defaults__, depth + 1)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [type(obj).__qualname__, {field.name: stable(getattr(obj, field.name), depth + 1)
+                                         for field in dataclasses.fields(obj)}]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = [stable(item, depth + 1) for item in obj]
+        return sorted(items, key=json.dumps) if isinstance(obj, (set, frozenset)) else items
+    if isinstance(obj, dict):
+        return sorted(([str(key), stable(value, depth + 1)] for key, value in obj.items()), key=json.dumps)
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(obj))
+
+
+def _code(code: types.CodeType) -> str:
+    parts = [code.co_code, repr(code.co_names).encode()]
+    parts += [_code(c).encode() if isinstance(c, types.CodeType) else repr(c).encode() for c in code.co_consts]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
 def validation_key(config, architecture: type, attention: bool = False) -> str:
     """(architecture, miniature config, family spec, library versions, which proof): what a validation result
     depends on."""
@@ -144,12 +182,13 @@ def validation_key(config, architecture: type, attention: bool = False) -> str:
 
     text_config = config.get_text_config()
     family = family_of(config, architecture.__name__)
-    spec = [(sorted(map(repr, block.values.items())), repr(block.extra), block.formula)
+    spec = [(sorted((key, stable(value)) for key, value in block.values.items()), stable(block.extra), block.formula,
+             stable(block.combine), stable(block.mid))
             for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
     with quiet_transformers():
         mini = miniature_config(config).to_json_string(use_diff=False)
-    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, mini,
-                       repr(spec), repr(family.attention_internals), torch.__version__, transformers.__version__,
+    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, mini, spec,
+                       stable(family.attention_internals), torch.__version__, transformers.__version__,
                        _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
