@@ -36,7 +36,11 @@ install_chromium() {
 
 case "${1:-}" in
   demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
-  test) setup; install_chromium; "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
-        HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q "${@:2}" ;;
+  test) setup; install_chromium
+        # the real NDIF server of tests/test_ndif_real.py, in its own Python 3.12 venv (once; where it cannot be set
+        # up, the test skips and says why)
+        NNTERP_VENV="$VENV" bash tests/ndif/setup.sh || echo "run.sh: the NDIF server could not be set up (above); tests/test_ndif_real.py will skip" >&2
+        "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
+        HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q -rs "${@:2}" ;;
   *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
 esac

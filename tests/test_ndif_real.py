@@ -1,0 +1,222 @@
+"""Remote execution on the real NDIF server (PyPI ``ndif``), from the suite's own Python.
+
+``tests/ndif/harness.py`` starts NDIF's pieces on loopback from the venv ``tests/ndif/setup.sh`` makes (Python 3.12,
+as NDIF requires; this client runs the suite's Python): Redis, an S3-compatible store, Ray with a logical GPU, NDIF's
+controller, API and model actors (NDIF's own, minus their CUDA calls). Tiny checkpoints are deployed under made-up repo
+ids; the client reaches them with ``remote=True`` as it reaches NDIF. The server has torch, transformers and nnsight,
+not nnterp: only what a request ships runs there. Every result is compared bit for bit with the same code run locally
+(one torch thread on both sides: the suite sets it here, the server's actors run with one).
+
+The in-house simulation (test_remote.py) covers every family without a server; this covers what only the real server
+shows: another Python than the client's, NDIF's queue and actor, its two ways back for a result (inline under its cap,
+through the object store above it) and its non-blocking mode.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import nnsight
+import pytest
+import torch
+from huggingface_hub import constants
+from nnsight.intervention.backends.remote import RemoteBackend
+from nnsight.modeling import huggingface
+
+from nnterp import (
+    Prompt,
+    StandardizedTransformer,
+    activation_patching,
+    collect,
+    logit_difference,
+    logit_lens,
+    patchscope_lens,
+    run_prompts,
+    run_with_cache,
+    steered_generate,
+)
+from nnterp import test_prompt as answer_ranks  # under its own name, pytest would collect it
+from nnterp.families import BY_MODEL_TYPE
+from nnterp.validation import check_identity
+
+from .conftest import build_tiny, tiny_tokenizer
+from .ndif.harness import NDIFServer, save_to_hub_cache, unavailable
+from .test_families import CASES, IDS
+from .test_remote import assert_same, edit_everything, read_everything
+
+REASON = unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no real NDIF server here: {REASON}")
+
+# made-up repo id -> the tiny model's config: two standard families, a hybrid and a looped model
+MODELS = {"nnterp-ci/gpt2": CASES["gpt2"][0], "nnterp-ci/llama": CASES["llama"][0],
+          "nnterp-ci/jamba": BY_MODEL_TYPE["jamba"].tiny_config, "nnterp-ci/dory": BY_MODEL_TYPE["dory"].tiny_config}
+
+
+@pytest.fixture(scope="module")
+def ndif():
+    """One server for the module: started, the models deployed; the client pointed at it; stopped at the end."""
+    server = NDIFServer()
+    with pytest.MonkeyPatch.context() as patch:
+        try:
+            patch.setattr(constants, "HF_HUB_CACHE", str(server.hub))  # the client reads the server's cache
+            deployments = {}
+            for repo, config in MODELS.items():
+                model = build_tiny(config())
+                save_to_hub_cache(server.hub, repo, model, tiny_tokenizer())
+                patch.setitem(huggingface._ID_CACHE, repo, repo)  # offline: the hub would canonicalise the id
+                key = StandardizedTransformer(repo, dispatch=False).to_model_key()  # the key requests carry
+                deployments[repo] = key, sum(p.numel() * p.element_size() for p in model.parameters())
+            server.start(deployments)
+        except BaseException:
+            server.stop()
+            raise
+        patch.setattr(nnsight.CONFIG.API, "HOST", server.url)
+        patch.setattr(nnsight.CONFIG.API, "APIKEY", None)
+        patch.setattr(nnsight.CONFIG.APP, "REMOTE_LOGGING", False)
+        yield server
+        assert server.stop() == []  # nothing it started outlives it
+
+
+@pytest.fixture
+def arrivals(ndif, monkeypatch):
+    """How each result came back: ``"inline"`` (on the websocket) or ``"store"`` (a presigned object-store URL)."""
+    seen = []
+    download = RemoteBackend.download_result
+
+    def spy(self, data):
+        seen.append("inline" if isinstance(data, (bytes, bytearray)) else "store")
+        return download(self, data)
+
+    monkeypatch.setattr(RemoteBackend, "download_result", spy)
+    return seen
+
+
+def load(repo: str, **kwargs) -> StandardizedTransformer:
+    return StandardizedTransformer(repo, attention_values=True, **kwargs)
+
+
+@pytest.mark.parametrize("repo", ["nnterp-ci/gpt2", "nnterp-ci/llama"])
+def test_every_value_and_edit_runs_on_ndif_bit_exactly(repo, arrivals):
+    model = load(repo)
+    local, remote = read_everything(model, False), read_everything(model, True)
+    assert any(key.endswith("attention_probabilities") for key in local)  # the attention's values too
+    assert_same(local, remote)
+    assert_same(edit_everything(model, False), edit_everything(model, True))
+    assert arrivals == ["inline", "inline"]
+
+
+def test_a_model_loaded_without_weights_runs_on_ndif_and_stays_without_them(arrivals):
+    lazy = load("nnterp-ci/llama", dispatch=False)
+    remote = read_everything(lazy, True)
+    prompts = [Prompt.from_strings("the cat sat on the", {"mat": "mat", "dog": "dog"}, lazy.tokenizer)]
+    remote_targets = run_prompts(lazy, prompts, progress=False, remote=True)
+    assert not lazy.dispatched and all(p.device.type == "meta" for p in lazy._module.parameters())
+    local = load("nnterp-ci/llama")
+    assert_same(read_everything(local, False), remote)
+    assert_same(run_prompts(local, prompts, progress=False), remote_targets)
+    assert len(arrivals) == 2
+
+
+def test_a_hybrid_runs_on_ndif_bit_exactly(arrivals):
+    model = load("nnterp-ci/jamba")
+    assert "mixer_output" in model.order(0) and "self_attn.attention_output" not in model.order(0)
+    assert_same(read_everything(model, False), read_everything(model, True))
+    assert_same(edit_everything(model, False), edit_everything(model, True))
+    assert len(arrivals) == 2
+
+
+def test_the_runs_of_a_looped_block_run_on_ndif_bit_exactly(arrivals):
+    model = load("nnterp-ci/dory")
+    looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
+
+    def every_run(remote):
+        with torch.no_grad(), model.trace(IDS, remote=remote):
+            saved = nnsight.save({})
+            for i, run in model.schedule:
+                at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
+                for key in model.order(i):
+                    owner, _, name = key.rpartition(".")
+                    saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
+            saved["logits"] = model.logits
+        with torch.no_grad(), model.trace(IDS, remote=remote):
+            model.layers[looped].run(1).self_attn.attention_output[:] *= 0.5
+            model.layers[looped + 1].run(1).layer_input = model.layers[looped + 1].run(1).layer_input * 0.5
+            edited = model.logits.save()
+        return {**saved, "edited": edited}
+
+    local, remote = every_run(False), every_run(True)
+    assert any(key.startswith(f"{looped}.1.") for key in local) and not torch.equal(local["edited"], local["logits"])
+    assert_same(local, remote)
+    assert len(arrivals) == 2
+
+
+def test_every_research_tool_runs_on_ndif_bit_exactly(arrivals, tmp_path):
+    model = load("nnterp-ci/gpt2")
+    prompts = ["the cat sat on the mat", "Paris is in"]
+    assert_same(logit_lens(model, prompts), logit_lens(model, prompts, remote=True))
+    metric = logit_difference(5, 6)
+    assert_same(activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2]),
+                activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2], remote=True))
+    assert_same(patchscope_lens(model, prompts, "the cat is"), patchscope_lens(model, prompts, "the cat is", remote=True))
+    vector = torch.linspace(-1, 1, model.hidden_size)
+    assert_same(steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3),
+                steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3, remote=True))
+    values = ["layer_output", "mlp.mlp_output"]
+    here = collect(model, prompts * 3, tmp_path / "local", values, positions="all", batch_size=4, progress=False)
+    there = collect(model, prompts * 3, tmp_path / "remote", values, positions="all", batch_size=4, progress=False,
+                    remote=True)
+    for name in values:
+        assert torch.equal(here[name], there[name])
+    assert [(r.exact, r.max_abs_diff) for r in check_identity(model)] == \
+           [(r.exact, r.max_abs_diff) for r in check_identity(model, remote=True)]
+    logits, cache = run_with_cache(model, prompts)
+    logits_remote, cache_remote = run_with_cache(model, prompts, remote=True)
+    assert torch.equal(logits, logits_remote) and cache.keys() == cache_remote.keys()
+    assert ("attention_probabilities", 1) in cache
+    for key in cache:
+        assert torch.equal(cache[key], cache_remote[key]), key
+    assert answer_ranks(model, "the cat sat on the", "mat", print_results=False) == \
+           answer_ranks(model, "the cat sat on the", "mat", print_results=False, remote=True)
+    with torch.no_grad(), model.trace(IDS):
+        heads = nnsight.save(model.head_outputs(1))
+        model.scale_heads(1, [0, 2], 0.5)
+        scaled = nnsight.save(model.logits)
+    with torch.no_grad(), model.trace(IDS, remote=True):
+        heads_remote = nnsight.save(model.head_outputs(1))
+        model.scale_heads(1, [0, 2], 0.5)
+        scaled_remote = nnsight.save(model.logits)
+    assert torch.equal(heads, heads_remote) and torch.equal(scaled, scaled_remote)
+    assert arrivals and set(arrivals) == {"inline"}
+
+
+def test_a_non_blocking_request_is_polled_until_its_result_is_in_the_object_store(arrivals):
+    model = load("nnterp-ci/llama")
+    with torch.no_grad(), model.trace(IDS):
+        local = nnsight.save({"mid": model.layers[1].layer_mid, "logits": model.logits})
+    with torch.no_grad(), model.trace(IDS, remote=True, blocking=False) as tracer:
+        saved = nnsight.save({"mid": model.layers[1].layer_mid, "logits": model.logits})
+    backend = tracer.backend
+    assert backend.job_id  # submitted; the trace returned without waiting
+    deadline = time.monotonic() + 120
+    while (result := backend()) is None:
+        assert time.monotonic() < deadline, f"the job was not done within 120 s (last status: {backend.status})"
+        time.sleep(0.2)
+    saved = result["saved"]  # the poll returns the saves by name (nothing is written into this frame)
+    assert_same(local, saved)
+    assert arrivals == ["store"]  # a non-blocking job has no socket to come back on
+
+
+def test_a_result_over_the_inline_cap_comes_back_through_the_object_store(ndif, arrivals):
+    model = load("nnterp-ci/llama")
+    cap = ndif.max_inline_bytes()
+    rows = math.ceil(1.5 * cap / (64 * model.vocab_size * 4))  # logits [rows, 64, vocab] in float32
+    ids = torch.randint(3, model.vocab_size, (rows, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), model.trace(ids):
+        local = nnsight.save(model.logits)
+    with torch.no_grad(), model.trace(ids, remote=True):
+        remote = nnsight.save(model.logits)
+    assert local.numel() * 4 > cap and torch.equal(local, remote)
+    with torch.no_grad(), model.trace(IDS, remote=True):
+        nnsight.save(model.logits)
+    assert arrivals == ["store", "inline"]  # and a small one inline, as the rest of this module's
