@@ -51,6 +51,26 @@ class EagerAttention:
         }
 
 
+@dataclass(frozen=True)
+class OwnCode(EagerAttention):
+    """An attention that computes in its own code, outside transformers' attention interface: each internal
+    is read at one operation of its forward, ``places`` giving ``(name, op, side, i)`` (the operation's output,
+    element ``i`` of a tuple, or its argument ``i``). Queries, keys and values are ``[batch, heads, seq,
+    head_dim]`` there. ``module`` is the attention's submodule whose forward that is ("" for the attention)."""
+
+    places: tuple[tuple[str, str, str, int], ...] = ()
+    module: str = ""
+
+    def locations(self, attention: str) -> dict[str, At]:
+        path = f"{attention}.{self.module}" if self.module else attention
+
+        def at(name, op, side, i):
+            where = {"index": i} if side == "output" else {"arg": i}
+            return At(path, side, op=op, heads_first=name in ("queries", "keys", "values"), **where)
+
+        return {name: at(name, *place) for name, *place in self.places}
+
+
 STANDARD = EagerAttention()
 # Attention sinks (GPT-OSS, DeepSeek-V4): the softmax runs over the scores plus one sink logit per
 # head, so the scores are the masked scores before the sink column joins them.

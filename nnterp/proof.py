@@ -229,6 +229,8 @@ def problems_of(model) -> list[str]:
             continue
         if "attention_probabilities" in values and not model.family.premix_is_not_mixed_values:
             problems += _attention_problems(label, values)
+        if "attention_scores" in values:
+            problems += _prescaled_queries(model, i, label, values)
         result = identity_of(model, i, values, run)
         if not result.exact:
             problems.append(f"{label}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
@@ -305,6 +307,26 @@ def _attention_problems(label: str, values) -> list[str]:
     premix = values["attention_premix"]
     if mixed.transpose(1, 2).shape != premix.shape or not torch.allclose(mixed.transpose(1, 2), premix, atol=1e-5):
         return [f"{label}: attention_probabilities · values != 'self_attn.attention_premix'"]
+    return []
+
+
+def _prescaled_queries(model, layer: int, label: str, values) -> list[str]:
+    """The queries must be the attention's queries before its scaling: where the attention's ``scaling`` is not 1,
+    scores equal to queries · keysᵀ unscaled mean the queries were read after the model scaled them (OPT scales
+    q_proj's output, then passes its attention function ``scaling=1.0``)."""
+    attention = model.family.attention
+    module = model._module.get_submodule(model.block_path(layer, attention)) if attention else None
+    scaling = getattr(module, "scaling", None)
+    if not isinstance(scaling, (int, float)) or scaling == 1:
+        return []
+    q, k, scores = values["queries"].transpose(1, 2), values["keys"].transpose(1, 2), values["attention_scores"]
+    if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1] or k.shape[2] != scores.shape[-1]:
+        return []
+    unscaled = q.float() @ k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float().transpose(-1, -2)
+    kept = torch.isfinite(scores) & (scores > torch.finfo(scores.dtype).min / 2)  # the positions the mask keeps
+    if unscaled.shape == scores.shape and torch.allclose(scores.float()[kept], unscaled[kept], rtol=1e-4, atol=1e-6):
+        return [f"{label}: the attention scores are queries · keysᵀ unscaled while the attention scales by {scaling:.3g}: "
+                "'self_attn.queries' is read after the model scaled the queries"]
     return []
 
 

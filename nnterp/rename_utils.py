@@ -173,8 +173,12 @@ default_attention_prob_source = gpt2_attention_prob_source = gptj_attention_prob
 
 
 def bloom_attention_prob_source(attention_module, return_module_source: bool = False):
-    raise RenamingError("BLOOM computes attention in its own code: its probabilities are not read (see "
-                        "model.availability(i)).")
+    """BLOOM's own attention code: the operation whose output is the pattern (the spec's place)."""
+    from .families import BY_MODEL_TYPE
+
+    place = dict((name, op) for name, op, *_ in BY_MODEL_TYPE["bloom"].attention_internals.places)
+    source = attention_module.source
+    return source if return_module_source else getattr(source, place["attention_probabilities"])
 
 
 def __getattr__(name: str):

@@ -507,7 +507,8 @@ class StandardizedTransformer(TransformersModel):
             # the server switches through transformers, which refuses a class with an attention of its own code
             # (a multimodal model's vision tower): say so before sending a request bound to fail
             can_switch = getattr(type(self._module), "_can_set_attn_implementation", lambda: True)
-            if not can_switch():
+            # a model that runs its own eager code already (BLOOM, MPT, GPT-Neo) needs no switch
+            if attention.implementation_of(self._module) != attention.IMPLEMENTATION and not can_switch():
                 raise ValueError(
                     f"The attention values cannot run remotely on {type(self._module).__name__}: the server switches "
                     "a model to eager attention through transformers, which refuses this class (part of it computes "

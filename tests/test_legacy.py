@@ -271,13 +271,8 @@ def test_run_prompts(model):
 # -- test_probabilities.py -------------------------------------------------------------------------
 
 def test_attention_probabilities(model_name):
-    from nnterp import ValueUnavailable
 
     with th.no_grad():
-        if "bloom" in model_name:  # BLOOM computes attention in its own code: a clear error (1.x hooked a guess)
-            with pytest.raises(ValueUnavailable, match="its own code"):
-                StandardizedTransformer(model_name, enable_attention_probs=True)
-            return
         model = StandardizedTransformer(model_name, enable_attention_probs=True,
                                         tokenizer_kwargs=dict(padding_side="right"))
         assert model.attn_probs_available and model.tokenizer.padding_side == "right"

@@ -4,12 +4,24 @@
 are the stream, not what they add. The contributions are the tensors entering those
 adds: the outputs of ``self_attention.dense`` and ``mlp.dense_4h_to_h``. The block
 returns ``(hidden, attention_probs)``.
+
+The attention computes in its own forward: queries, keys and values are read where it splits the fused
+projection into heads (``_reshape``: the keys and values of this pass's positions, before the cache adds
+earlier ones); the scores are its softmax's input, ``alibi.baddbmm(queries, keysᵀ, beta=1, alpha=1/sqrt(head_dim))``
+plus the mask (ALiBi is added to the scores, not to the queries or keys); the probabilities are the pattern after
+its dropout, which its last matmul mixes the values with.
 """
 
 import transformers
 
+from ..attention import OwnCode
 from ..errors import UnsupportedConfig
-from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
+from .base import Family, output, pre_norm_block, stream_and_none
+
+ATTENTION = OwnCode(places=(
+    ("queries", "self__reshape_0", "output", 0), ("keys", "self__reshape_0", "output", 1),
+    ("values", "self__reshape_0", "output", 2), ("attention_scores", "F_softmax_0", "input", 0),
+    ("attention_probabilities", "attention_probs_1", "output", 0)))
 
 
 def _check(config):
@@ -28,7 +40,7 @@ def _check(config):
 
 BLOOM = Family(
     name="BLOOM",
-    attention_internals=OWN_ATTENTION,
+    attention_internals=ATTENTION,
     model_types=("bloom",),
     layers="transformer.h",
     embed_tokens="transformer.word_embeddings",

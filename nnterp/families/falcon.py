@@ -8,12 +8,39 @@
 Parallel blocks sum ``(m + a) + x`` and do it in place: ``mlp_output += attention_output``
 on the MLP's returned tensor. ``mlp_output`` is therefore read as a copy there (an in-place
 edit of it does not reach the model; assigning it does). The block returns a tuple.
+
+The attention computes in its own forward, in two ways:
+
+- with rotary embeddings (``alibi=False``): the queries are read after the rotary embedding; the keys and
+  values where the cache hands them back (after the rotary embedding, with the cache's earlier positions, as the
+  attention uses them: the values are computed before the queries are rotated, and a block's values are read
+  in the order queries, keys, values, so they are read there; a pass run without the KV cache,
+  ``use_cache=False``, never reaches them). The scores are its softmax's input,
+  ``queries · keysᵀ / sqrt(head_dim)`` plus the mask; the probabilities its softmax's output.
+- with ALiBi (``alibi=True``): queries, keys and values are read where the fused projection is split into
+  heads (this pass's positions, before the cache adds earlier ones); the scores are its softmax's input,
+  ``(queries · keysᵀ + alibi) * inv_norm_factor`` plus the mask (ALiBi is added to the scores, and scaled with
+  them); the probabilities are the pattern after its dropout.
+
+With one key-value head (``multi_query``) the keys and values have one head; the new architecture
+(``new_decoder_architecture=True``) repeats each key-value head for its query heads when it splits the fused
+projection, so its keys and values have one head per query head.
 """
 
 import transformers
 
+from ..attention import OwnCode
 from ..errors import UnsupportedConfig
-from .base import OWN_ATTENTION, Family, output, parallel_block, pre_norm_block, stream_and_none
+from .base import Family, output, parallel_block, pre_norm_block, stream_and_none
+
+ROTARY = OwnCode(places=(
+    ("queries", "apply_rotary_pos_emb_0", "output", 0), ("keys", "layer_past_update_0", "output", 0),
+    ("values", "layer_past_update_0", "output", 1), ("attention_scores", "F_softmax_0", "input", 0),
+    ("attention_probabilities", "F_softmax_0", "output", 0)))
+ALIBI = OwnCode(places=(
+    ("queries", "query_layer_0", "output", 0), ("keys", "key_layer_0", "output", 0),
+    ("values", "value_layer_0", "output", 0), ("attention_scores", "F_softmax_1", "input", 0),
+    ("attention_probabilities", "attention_probs_2", "output", 0)))
 
 _MODULES = dict(attention="self_attention", o_proj="self_attention.dense", mlp="mlp", act="mlp.act",
                 down_proj="mlp.dense_4h_to_h")
@@ -40,7 +67,7 @@ def _block(config, i):
 
 FALCON = Family(
     name="Falcon",
-    attention_internals=OWN_ATTENTION,
+    attention_internals=lambda config: ALIBI if config.alibi else ROTARY,
     model_types=("falcon",),
     layers="transformer.h",
     embed_tokens="transformer.word_embeddings",

@@ -16,11 +16,26 @@ model has no final norm: ``model.ln_final`` does not exist and the head reads th
 ``word_embed_proj_dim`` is not ``hidden_size`` (OPT-350m) the model projects the embeddings up to the stream
 (``project_in``) and the stream down before the head (``project_out``, after the final norm if there is one):
 ``project_on_vocab`` runs ``project_out`` too.
+
+The attention scales the query projection's output by ``1/sqrt(head_dim)`` before its attention function, and
+passes that function ``scaling=1.0``: ``queries`` are read at the projection's output (``q_proj``, viewed per
+head), before that scaling, as on every other family; keys, values, scores and probabilities are read in the
+attention function, as on the others.
 """
+
+from dataclasses import dataclass
 
 import transformers
 
-from .base import Family, input, output, post_norm_block, pre_norm_block
+from .base import At, EagerAttention, Family, input, output, post_norm_block, pre_norm_block
+
+
+@dataclass(frozen=True)
+class UnscaledQueries(EagerAttention):
+    """The standard places, but the queries at ``q_proj``'s output (the attention function's are pre-scaled)."""
+
+    def locations(self, attention: str) -> dict[str, At]:
+        return {**super().locations(attention), "queries": At(attention, "output", op="self_q_proj_0", heads=True)}
 
 
 def _block(config, i):
@@ -59,6 +74,7 @@ OPT = Family(
     attention="self_attn",
     mlp=None,
     block=_block,
+    attention_internals=UnscaledQueries(),
     tiny_config=lambda: transformers.OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, ffn_dim=128,
                                                vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=64),
     variants=(("pre-norm", {}), ("post-norm (OPT-350m)", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})),
