@@ -33,6 +33,7 @@ from .registry import RegistrationError, register_family, unregister_family
 from .splicing import Splice, splice, top_activations
 from .standardized import Availability, StandardizedTransformer
 from .tokens import AnswerToken, test_prompt, to_str_tokens, visible
+from .tuned_lens import TunedLens, load_tuned_lens
 from .version import __version__
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "site_table",
     "splice",
     "top_activations",
+    "TunedLens",
+    "load_tuned_lens",
     "AnswerToken",
     "CATALOG",
     "Collection",

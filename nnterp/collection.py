@@ -11,6 +11,12 @@ wrote the values (the model's class, config and a checksum of its weights, the d
 function's code): a resume or a worker whose writer differs is refused, so rows of two models never
 mix. ``Collection(folder)`` reads all of it back, in prompt order, memory-mapped:
 ``collection["layer_output", 1000:2000]`` reads those rows only.
+
+``collect(..., dictionaries=[sae])`` also collects each dictionary's feature activations at its site, read back
+as ``collection["features/layers.5.layer_output"]`` (``[rows, d_sae]``); the manifest records a digest of each
+dictionary's weights, so a resume with another dictionary is refused too. ``Collection.to_saelens(folder)`` writes
+the rows in SAELens's cached-activations layout (a Hugging Face ``datasets`` folder, one ``Array2D(context_size,
+d_in)`` column per TransformerLens hook name and ``token_ids``), which SAELens's ``ActivationsStore`` trains from.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import json
 import operator
 import os
 import re
+import tempfile
 import time
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,11 +43,14 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .catalog import BY_NAME
-from .selection import forward_order, layer_indices, token_index, value_name
+from .dictionaries import TENSORS, Dictionary, transformerlens_hook, transformerlens_site
+from .selection import layer_indices, token_index, value_name
+from .splicing import _flat, place
 
 MANIFEST = "manifest.json"
 WORKER_MANIFEST = re.compile(r"manifest-(\d+)-of-(\d+)\.json")
 RECORD_EVERY_S = 1.0  # how often the manifest is rewritten while shards are written
+FEATURES = "features/"  # a dictionary's features are collected as "features/<name>"
 FORMAT = 2  # 2: shards recorded with their rows and checksums (a manifest per worker since shard=; "writer" since)
 SAMPLED = 64  # values of each weight tensor in the weights' checksum: evenly spaced, exact bytes
 
@@ -51,7 +62,7 @@ class CollectionError(ValueError):
 def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[str] = ("layer_output",),
             layers=None, positions: str | int | Callable = "last", batch_size: int = 32,
             dtype: torch.dtype | None = None, progress: bool = True, remote: bool | str = False,
-            shard: tuple[int, int] = (0, 1)) -> Collection:
+            shard: tuple[int, int] = (0, 1), dictionaries=None) -> Collection:
     """Collect ``values`` at ``layers`` for every prompt into ``folder``.
 
     ``positions``: ``"last"`` (each prompt's last token, ``[prompts, layers, ...]``), an int (each
@@ -64,9 +75,14 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
     ``rank, rank + world, ...`` of the same prompt list; ``world`` workers given the same arguments
     and folder together make the whole collection, read back by ``Collection(folder)`` as one.
 
+    ``dictionaries`` (a list of ``Dictionary``, or ``{name: dictionary}``) collects each one's feature
+    activations at its own site (whatever ``layers`` and ``values`` are; ``values=[]`` collects features only),
+    at the same rows: ``collection["features/layers.5.layer_output"]`` (a list's, named by its site) or
+    ``collection["features/<name>"]``, ``[rows, d_sae]``, in the dictionary's dtype (``dtype`` if given).
+
     A folder's rows come from one writer: the manifest records the model (class, config, a checksum
     of sampled weight values), the dtype of the values and a mask function's code and the values it
-    reads. A rerun or a worker whose writer differs is refused (``CollectionError``, naming what
+    reads, and a digest of each dictionary's weights. A rerun or a worker whose writer differs is refused (``CollectionError``, naming what
     differs), and so is one onto a folder of an earlier nnterp that did not record its writer.
     """
     if isinstance(prompts, str):
@@ -77,26 +93,65 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
         raise ValueError("collect needs at least one prompt.")
     rank, world = _worker(shard)
     folder = Path(folder)
-    names = [value_name(v) for v in values]
+    names = [value_name(v) for v in ([values] if isinstance(values, str) else values)]
     layers = layer_indices(model, layers)
+    features = _features(model, dictionaries)
+    if not names and not features:
+        raise ValueError("collect has nothing to collect: give values, or dictionaries whose features to collect.")
     settings = {"prompts": len(prompts), "values": names, "layers": layers, "positions": _describe(positions),
                 "batch_size": batch_size, "fingerprint": _fingerprint(prompts)}
+    if features:  # only then: a folder collected without dictionaries resumes as it did
+        settings["features"] = {name: list(site) for name, (_, site) in features.items()}
     mine = list(range(0, len(prompts), batch_size))[rank::world]
     manifest = MANIFEST if world == 1 else f"manifest-{rank}-of-{world}.json"
     if not remote and not model.dispatched:
         model.dispatch()  # the first trace would: the weights' checksum needs them
     writer_identity = _writer(model, positions, dtype, remote)
+    if features:
+        writer_identity["dictionaries"] = {name: dictionary_digest(d) for name, (d, _) in features.items()}
     own, done = _resume(folder, settings, writer_identity, manifest, mine)
     todo = [start for start in mine if str(start) not in done]
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="collecting", unit="batch", disable=not progress)
     with _ShardWriter(folder, manifest, settings, writer_identity, own) as writer:
         for start in todo:
             tensors, ready = _to_host(_collect_batch(model, prompts[start:start + batch_size], names, layers,
-                                                     positions, dtype, remote))
+                                                     positions, dtype, remote, features))
             writer.write(start, tensors, ready)  # written while the next batch runs
             bar.update()
     bar.close()
     return Collection(folder, verify=False)  # the shards were checked on resuming, or just written
+
+
+def _features(model, dictionaries) -> dict[str, tuple[Dictionary, tuple[int, str]]]:
+    """``{"features/<name>": (dictionary, site)}``, each site checked on the model (``splicing.place``)."""
+    if not dictionaries:
+        return {}
+    named = dictionaries if isinstance(dictionaries, dict) else None
+    if isinstance(dictionaries, Dictionary):
+        raise TypeError("dictionaries is a list of dictionaries (or {name: dictionary}): pass [dictionary].")
+    features = {}
+    for key, dictionary in (named or dict(enumerate(dictionaries))).items():
+        if not isinstance(dictionary, Dictionary):
+            raise TypeError(f"dictionaries holds Dictionary objects (nnterp.load_dictionary), not "
+                            f"{type(dictionary).__name__}.")
+        site = place(model, dictionary, "site")
+        name = FEATURES + (str(key) if named else f"layers.{site[0]}.{site[1]}")
+        if name in features:
+            raise ValueError(f"Two dictionaries read layers[{site[0]}].{site[1]}: name them, "
+                             "dictionaries={'name': dictionary, ...}, to collect both.")
+        features[name] = dictionary, site
+    return features
+
+
+def dictionary_digest(dictionary: Dictionary) -> str:
+    """A digest of what makes a dictionary's features: its activation and every byte of its tensors."""
+    digest = hashlib.sha256(repr((dictionary.activation, dictionary.k, dictionary.normalize)).encode())
+    for name in TENSORS:
+        tensor = getattr(dictionary, name)
+        digest.update(f"{name} {None if tensor is None else (str(tensor.dtype), tuple(tensor.shape))}".encode())
+        if tensor is not None:
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
 
 
 def _worker(shard) -> tuple[int, int]:
@@ -142,29 +197,36 @@ def _resume(folder: Path, settings: dict, writer: dict, manifest: str, mine: lis
     return intact.get(manifest, {}), {start: shard for shards in intact.values() for start, shard in shards.items()}
 
 
-def _collect_batch(model, batch, names, layers, positions, dtype, remote=False) -> dict[str, torch.Tensor]:
+def _collect_batch(model, batch, names, layers, positions, dtype, remote=False, features=None
+                   ) -> dict[str, torch.Tensor]:
+    features = features or {}
     inputs = model.tokenizer(batch, return_tensors="pt", padding=True)  # tokenized once: the trace runs on it
     select = _selection(inputs, positions)
-    read_layers = forward_order(layers)
-    order = {layer: model.order(layer, aliases=True) for layer in read_layers}
+    sites = {(layer, name) for layer in layers for name in names} | {site for _, site in features.values()}
+    order = {layer: model.order(layer, aliases=True) for layer, _ in sites}
     with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
         read = {}
-        for layer in read_layers:
-            for name in sorted(names, key=lambda n, layer=layer: order[layer][BY_NAME[n].key]):  # forward order
-                read[(name, layer)] = model.read_value(layer, name)
+        for layer, name in sorted(sites, key=lambda site: (site[0], order[site[0]][BY_NAME[site[1]].key])):
+            read[(name, layer)] = model.read_value(layer, name)  # in forward order
         # the selection runs where the model does (remotely too): only the chosen rows come back
         tensors = nnsight.save({})
         for name in names:
             # each layer's rows selected on its own device (a model split across devices), then gathered on one
             chosen = {layer: read[(name, layer)][select.to(read[(name, layer)].device)].detach()
-                      for layer in read_layers}
+                      for layer in set(layers)}
             device = chosen[layers[0]].device
             stacked = torch.stack([chosen[layer].to(device) for layer in layers], dim=1)  # [tokens, layers, ...]
             stacked = (stacked.to(dtype) if dtype else stacked).contiguous()
             tensors[name] = stacked.cpu() if remote else stacked  # locally, _to_host copies without blocking
+        for name, (dictionary, (layer, value)) in features.items():
+            hidden = _flat(read[(value, layer)], dictionary.d_in, (layer, value))
+            encoded = dictionary.encode(hidden[select.to(hidden.device)].detach())  # the chosen rows only
+            encoded = (encoded.to(dtype) if dtype else encoded).contiguous()
+            tensors[name] = encoded.cpu() if remote else encoded
         # nothing after the last value read is needed (no logits): the rest of the forward is not run
         tracer.stop()
     tensors["_tokens_per_prompt"] = select.sum(dim=1).to(torch.int64)
+    tensors["_token_ids"] = inputs.input_ids[select].to(torch.int64)  # each row's token (SAELens's token_ids)
     return tensors
 
 
@@ -326,9 +388,16 @@ class Collection:
             raise TypeError(f"index a collection as collection[value] or collection[value, rows], not {key!r}; "
                             "index the tensor it returns for the other dimensions.")
         value, rows = key if isinstance(key, tuple) else (key, slice(None))
-        name = value_name(value)  # "mlp.mlp_output" and "mlp_output" name the same value
-        if name not in self.values:
-            raise KeyError(f"{value!r} was not collected here; this collection holds {', '.join(self.values)}.")
+        if isinstance(value, str) and value.startswith(FEATURES):
+            if value not in self.features:
+                raise KeyError(f"{value!r} was not collected here; this collection holds the features "
+                               f"{', '.join(self.features) or 'of no dictionary'}.")
+            name = value
+        else:
+            name = value_name(value)  # "mlp.mlp_output" and "mlp_output" name the same value
+            if name not in self.values:
+                raise KeyError(f"{value!r} was not collected here; this collection holds "
+                               f"{', '.join(self.values + self.features)}.")
         if rows is Ellipsis:
             rows = slice(None)
         if isinstance(rows, slice):
@@ -443,12 +512,108 @@ class Collection:
         return list(self.settings["values"])
 
     @property
+    def features(self) -> list[str]:
+        """The names of the dictionaries' features collected here (``"features/layers.5.layer_output"``)."""
+        return list(self.settings.get("features", {}))
+
+    def to_saelens(self, folder: str | Path, hook_names: Sequence[str] | None = None,
+                   context_size: int | None = None):
+        """Write the collection in SAELens's cached-activations layout; returns the ``datasets.Dataset``.
+
+        The layout of SAELens's ``CacheActivationsRunner``: a Hugging Face ``datasets`` folder
+        (``save_to_disk``) with one ``Array2D(shape=(context_size, d_in))`` column per TransformerLens hook
+        name and ``token_ids`` (``Sequence(int32, length=context_size)``), one example per context, which
+        SAELens's ``ActivationsStore`` reads (``cached_activations_path=folder``, ``hook_name``, ``context_size``,
+        ``d_in`` as written). ``hook_names`` (``["blocks.5.hook_resid_post", ...]``) picks the values and
+        layers to write, translated by the dictionaries' table (``site_table()``); by default every collected
+        value at every layer. Each example is ``context_size`` consecutive rows, in prompt order: by default
+        one prompt's tokens (every prompt must then have as many); with ``context_size`` given, the rows are
+        packed into contexts of that many (a prompt may span two), and the last rows that fill no context
+        are left out, with a warning. bfloat16 is widened to float32, which Arrow lacks.
+        """
+        try:
+            import datasets
+        except ImportError:
+            raise ImportError("Collection.to_saelens needs the datasets package: pip install 'nnterp[datasets]' "
+                              "(or pip install datasets).") from None
+        folder = Path(folder)
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise FileExistsError(f"{folder} is not an empty folder: SAELens's activations folder holds one dataset. "
+                                  "Pass a new folder (or delete this one).")
+        if not self.complete:
+            raise CollectionError(f"{self.folder} is incomplete (batches {self.missing} missing): run collect again "
+                                  "with the same arguments to finish it before exporting it.")
+        columns = self._saelens_columns(hook_names)
+        with safe_open(self._files[0], "pt") as file:
+            if "_token_ids" not in file.keys():
+                raise CollectionError(f"{self.folder} does not hold the rows' token ids (it was collected by an "
+                                      "earlier nnterp), which SAELens's layout has: collect it again into a new folder.")
+        counts = self.offsets.diff()
+        if context_size is None:
+            lengths = counts.unique().tolist()
+            if len(lengths) != 1:
+                raise ValueError(f"The prompts have from {min(lengths)} to {max(lengths)} collected tokens, and an "
+                                 "example of SAELens's layout has context_size of them: pass context_size=N to pack "
+                                 "the rows into contexts of N tokens.")
+            context_size = lengths[0]
+        if context_size < 1 or self.rows < context_size:
+            raise ValueError(f"context_size={context_size}: the collection's {self.rows} rows fill no context of that "
+                             "many tokens.")
+        left = self.rows % context_size
+        if left:
+            warnings.warn(f"to_saelens: the last {left} of {self.rows} rows fill no context of {context_size} "
+                          "tokens and are left out.", stacklevel=2)
+        features = {"token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size)}
+        for hook, (name, layer) in columns.items():
+            sample = _saelens_view(self[name, :0][:, layer])
+            dtype = torch.float32 if sample.dtype == torch.bfloat16 else sample.dtype
+            features[hook] = datasets.Array2D(shape=(context_size, sample.shape[-1]),
+                                              dtype=str(dtype).removeprefix("torch."))
+        features = datasets.Features({hook: features[hook] for hook in columns} | {"token_ids": features["token_ids"]})
+        with tempfile.TemporaryDirectory(prefix="nnterp-saelens-") as cache:  # the generator's Arrow, then copied
+            dataset = datasets.Dataset.from_generator(
+                _saelens_rows, features=features, cache_dir=cache,
+                gen_kwargs={"files": tuple(map(str, self._files)), "columns": tuple(columns.items()),
+                            "context_size": context_size})
+            dataset.save_to_disk(str(folder))
+            del dataset
+        return datasets.load_from_disk(str(folder))
+
+    def _saelens_columns(self, hook_names) -> dict[str, tuple[str, int]]:
+        """``{hook name: (value, index among the collected layers)}``."""
+        layers = self.settings["layers"]
+        if hook_names is None:
+            columns = {}
+            for name in self.values:
+                for layer in dict.fromkeys(layers):
+                    hook = transformerlens_hook(layer, name)
+                    if hook is None:
+                        raise ValueError(f"{name} has no TransformerLens hook name (site_table() lists them), so SAELens "
+                                         "cannot name its column: pass hook_names=[...] for the values to write.")
+                    columns[hook] = name, layers.index(layer)
+            return columns
+        hook_names = [hook_names] if isinstance(hook_names, str) else list(hook_names)
+        if not hook_names:
+            raise ValueError("hook_names is empty: name at least one hook, e.g. 'blocks.5.hook_resid_post'.")
+        columns = {}
+        for hook in hook_names:
+            site, reason = transformerlens_site(hook)
+            if site is None:
+                raise ValueError(f"{hook!r} names no standard value: {reason}.")
+            layer, name = site
+            if name not in self.values or layer not in layers:
+                raise KeyError(f"{hook} is layers[{layer}].{name}, which was not collected here (values "
+                               f"{', '.join(self.values)} at layers {layers}).")
+            columns[hook] = name, layers.index(layer)
+        return columns
+
+    @property
     def rows(self) -> int:
         return sum(shard["rows"] for shard in self._shards.values())
 
     def __repr__(self) -> str:
         status = "complete" if self.complete else f"incomplete: batches {self.missing} missing"
-        return (f"Collection({str(self.folder)!r}: {self.rows} rows of {', '.join(self.values)} at layers "
+        return (f"Collection({str(self.folder)!r}: {self.rows} rows of {', '.join(self.values + self.features)} at layers "
                 f"{self.settings['layers']}, positions {self.settings['positions']}, "
                 f"{self.settings['prompts']} prompts; {status})")
 
@@ -463,6 +628,30 @@ def _dataset_rows(shards: tuple[tuple[int, str], ...], names: tuple[str, ...], c
         columns = {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in columns.items()}
         for row, index in enumerate(prompts.tolist()):
             yield {"prompt": index, **{name: column[row] for name, column in columns.items()}}
+
+
+def _saelens_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``[rows, ...]`` as the ``[rows, d_in]`` SAELens reads: per-head values flattened (its ``hook_z`` reshaping)."""
+    return tensor.flatten(1) if tensor.dim() > 2 else tensor
+
+
+def _saelens_rows(files: tuple[str, ...], columns: tuple[tuple[str, tuple[str, int]], ...], context_size: int):
+    """One example per ``context_size`` consecutive rows, shard by shard; the rows of a context not yet full are
+    carried to the next shard."""
+    carried: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(path, "pt") as file:
+            read = {"token_ids": file.get_tensor("_token_ids").to(torch.int32)}
+            whole = {name: file.get_tensor(name) for name in {name for _, (name, _) in columns}}
+        for hook, (name, layer) in columns:
+            column = _saelens_view(whole[name][:, layer])
+            read[hook] = column.float() if column.dtype == torch.bfloat16 else column
+        read = {key: torch.cat([carried[key], tensor]) if key in carried else tensor for key, tensor in read.items()}
+        full = len(read["token_ids"]) // context_size * context_size
+        carried = {key: tensor[full:] for key, tensor in read.items()}
+        arrays = {key: tensor[:full].reshape(-1, context_size, *tensor.shape[1:]).numpy() for key, tensor in read.items()}
+        for example in range(full // context_size):
+            yield {key: array[example] for key, array in arrays.items()}
 
 
 def _manifest_paths(folder: Path) -> list[Path]:
@@ -542,7 +731,8 @@ def _fingerprint(prompts: Sequence[str]) -> str:
 
 VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}  # not the model (dtype: weights)
 WRITER_FIELDS = {"model": "the model's class", "config": "the model's config", "weights": "the model's weights",
-                 "dtype": "the dtype of the values", "mask": "the positions mask function (its code or the values it reads)"}
+                 "dtype": "the dtype of the values", "mask": "the positions mask function (its code or the values it reads)",
+                 "dictionaries": "the dictionaries whose features are collected (a digest of their weights)"}
 
 
 def _writer(model, positions, dtype, remote) -> dict:

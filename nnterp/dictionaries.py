@@ -32,6 +32,7 @@ from .errors import NNterpError
 Site = tuple[int, str]
 ACTIVATIONS = ("relu", "jumprelu", "topk", "gated", "groupmax")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
+TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "r_mag", "b_mag", "center", "W_skip")  # a Dictionary's
 
 
 class DictionaryError(NNterpError, ValueError):
@@ -277,6 +278,15 @@ def transformerlens_site(hook: str) -> tuple[Site | None, str | None]:
     if standard is None:
         return None, f"the TransformerLens hook {hook!r} has no standard value in nnterp's table (site_table())"
     return (layer, standard), None
+
+
+def transformerlens_hook(layer: int, value: str) -> str | None:
+    """The TransformerLens hook name of ``layers[layer].value`` (``(5, "layer_output")`` ->
+    ``"blocks.5.hook_resid_post"``), the first in the table that reads it; None where no hook name does."""
+    for tail, standard in _transformerlens_hooks().items():
+        if standard == value and tail not in TL_REFUSED:
+            return f"blocks.{layer}.{tail}"
+    return None
 
 
 def sparsify_site(hookpoint: str, transcode: bool) -> tuple[Site | None, Site | None, str | None]:

@@ -1,4 +1,5 @@
-"""The logit lens: every layer's stream read through the model's own readout (final norm, head)."""
+"""The logit lens: every layer's stream read through the model's own readout (final norm, head); the tuned lens:
+each layer's stream through its translator first (``lens=load_tuned_lens(folder)``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output",
 
 
 def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "layer_output",
-               position: int | None = -1, remote: bool | str = False, return_inv_logits: bool = False
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               position: int | None = -1, remote: bool | str = False, return_inv_logits: bool = False,
+               lens=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token probabilities from each layer's ``value``, through ``model.project_on_vocab``.
 
     Returns ``[prompts, layers, vocab]`` at ``position`` of each prompt's own tokens (the last by
@@ -28,6 +29,10 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     ``layer_output`` the lens is the model's own next-token distribution. The readout runs inside
     the trace, so ``remote=True`` runs the whole lens on the remote model. ``return_inv_logits=True``
     (1.x) also returns the lens of the negated streams.
+
+    ``lens`` (a ``TunedLens``, ``nnterp.load_tuned_lens``) makes it the tuned lens: each layer's stream goes
+    through its translator, ``h + h @ weight.T + bias``, before the readout (the last block's output as it is);
+    ``value`` is then ``layer_output`` or ``layer_input``, the streams it was trained on.
     """
     name = value.rpartition(".")[2]
     if name not in STREAM_VALUES:
@@ -35,6 +40,8 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     model.refuse_unreadable_stream()  # before the trace: a family whose readout mixes more than one stream
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     calls = block_calls(model, layers)
+    if lens is not None:
+        _check_lens(model, lens, name, calls)
     ordered = calls_in_forward_order(model, calls)
     inputs = model.tokenizer(prompts, return_tensors="pt", padding=True)
     rows = torch.arange(len(prompts))
@@ -46,11 +53,26 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
             hidden = model.read_value(i, name, run=run)
             # one token per prompt, keeping the sequence dimension a stream readout (DeepSeek-V4) expects
             hidden = hidden if index is None else hidden[rows, index.to(hidden.device)].unsqueeze(1)
-            per_layer[(i, run)] = [model.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu() for sign in signs]
+            streams = [sign * hidden for sign in signs]
+            if lens is not None:  # the tuned lens: each stream through its layer's translator first
+                streams = [lens.translate(stream, i, name) for stream in streams]
+            per_layer[(i, run)] = [model.project_on_vocab(stream).float().softmax(dim=-1).cpu() for stream in streams]
         lenses = nnsight.save([torch.stack([per_layer[call][k] for call in calls], dim=1) for k in range(len(signs))])
         tracer.stop()  # the readout ran here: the model's own head after the last layer read is not needed
     lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
     return tuple(lenses) if return_inv_logits else lenses[0]
+
+
+def _check_lens(model, lens, value: str, calls) -> None:
+    from .tuned_lens import TunedLens
+
+    if not isinstance(lens, TunedLens):
+        raise TypeError(f"lens is a TunedLens (nnterp.load_tuned_lens), not {type(lens).__name__}.")
+    lens.check(model)
+    lens.translator(0, value)  # the streams between blocks only, with the reason
+    if any(run is not None for _, run in calls):
+        raise ValueError("A tuned lens has one translator per layer, and this model runs some blocks several times "
+                         "per pass: which run a translator was trained on is not known.")
 
 
 def top_tokens(model, probs: torch.Tensor, k: int = 5, readable: bool = True) -> list:
