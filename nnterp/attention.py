@@ -120,8 +120,11 @@ def head_outputs(model, layer: int) -> torch.Tensor:
     # operations instrumented before it runs). Then nothing of this block earlier than that is readable.
     operations = envoy.source if offloaded else None
     premix = model.layers[layer].self_attn.attention_premix  # [batch, seq, heads, head_dim]
-    if offloaded:
+    if offloaded and (conv1d or "F_linear_0" in operations.names):
         weight = operations.torch_addmm_0.inputs[0][2] if conv1d else operations.F_linear_0.inputs[0][1]
+    elif offloaded:  # a projection of its own code (Falcon's FalconLinear): its weight is loaded while it runs
+        getattr(operations, next(iter(operations.names))).inputs  # noqa: B018 - wait for its first operation
+        weight = envoy._module.weight.detach().clone()
     else:
         weight = envoy._module.weight
     if conv1d:
