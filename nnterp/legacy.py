@@ -186,7 +186,7 @@ def get_topk_closest_tokens(self, hidden_state: torch.Tensor, k: int = 5) -> dic
 
 
 def probs_to_dict(self, tokens: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
-    return {token: float(p) for token, p in zip(self.tokenizer.convert_ids_to_tokens(tokens), probs)}
+    return {token: float(p) for token, p in zip(self.tokenizer.convert_ids_to_tokens(tokens), probs.detach())}
 
 
 def detect_layer_output_type(self) -> None:
