@@ -21,6 +21,7 @@ from .inputs import BadInput
 from .interventions import (
     activation_patching,
     add_to,
+    attribution_patching,
     logit_difference,
     patchscope_lens,
     skip_layers,
@@ -57,6 +58,7 @@ __all__ = [
     "Prompt",
     "activation_patching",
     "add_to",
+    "attribution_patching",
     "collect",
     "first_tokens",
     "infer_family",

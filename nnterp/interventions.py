@@ -6,17 +6,17 @@ the catalog by name), so it means the same thing on every family.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import nnsight
 import torch
 from nnsight.intervention.interleaver import Mediator
-from tqdm.auto import tqdm
 
 from . import edits
 from .edits import Positions, skip_layers  # noqa: F401  (skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
+from .patching import activation_patching, attribution_patching  # noqa: F401  (the toolkit's API)
 from .selection import forward_order, layer_indices, token_index, value_name
 
 # -- steering -------------------------------------------------------------------------------------
@@ -170,38 +170,6 @@ def logit_difference(correct: int, incorrect: int) -> Callable[[torch.Tensor], t
 def target_probability(token: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A metric: last-position probability of ``token``, per batch row (the last column, as ``logit_difference``)."""
     return lambda logits: logits[:, -1].softmax(dim=-1)[:, token]
-
-
-def activation_patching(model, clean: str, corrupted: str, metric: Callable[[torch.Tensor], torch.Tensor],
-                        value: str = "layer_output", layers=None, positions: Sequence[int] | None = None,
-                        remote: bool | str = False, progress: bool = True) -> torch.Tensor:
-    """Patch ``value`` from the clean run into the corrupted one, one (layer, position) at a time.
-
-    Returns ``metric`` of the patched runs as a ``[layers, positions]`` tensor. The two prompts
-    must tokenize to the same length. Each layer is one batched trace: row j of the batch patches
-    position ``positions[j]``.
-    """
-    name = value_name(value)
-    layers = layer_indices(model, layers)
-    clean_ids, corrupted_ids = (model.tokenizer(p, return_tensors="pt").input_ids for p in (clean, corrupted))
-    if clean_ids.shape != corrupted_ids.shape:
-        raise ValueError(f"Activation patching needs prompts of one length: the clean prompt has "
-                         f"{clean_ids.shape[1]} tokens, the corrupted one {corrupted_ids.shape[1]}.")
-    positions = list(range(clean_ids.shape[1])) if positions is None else list(positions)
-    with torch.no_grad(), model.trace(clean_ids, remote=remote):
-        sources = nnsight.save({layer: model.read_value(layer, name) for layer in forward_order(layers)})
-    effects = torch.empty(len(layers), len(positions))
-    batch = corrupted_ids.repeat(len(positions), 1)
-    rows = tqdm(list(enumerate(layers)), desc="patching", unit="layer", disable=not progress or len(layers) < 2)
-    for row, layer in rows:  # the rows in the order asked for
-        source = sources[layer]
-        with torch.no_grad(), model.trace(batch, remote=remote):
-            target = model.read_value(layer, name)
-            for j, position in enumerate(positions):
-                target[j, position] = source[0, position]
-            scores = nnsight.save(metric(model.logits))
-        effects[row] = scores.float().cpu()
-    return effects
 
 
 # -- patchscopes ----------------------------------------------------------------------------------
