@@ -341,10 +341,13 @@ SITE_TABLE: list[tuple[str, str, str, str]] = [
 
 def site_table() -> str:
     """The translation of producers' site names to standard values, as a Markdown table."""
-    rows = ["| producer | name | site | note |", "|---|---|---|---|"]
-    rows += [f"| {producer} | `{name}` | {site if site == 'refused' else f'`{site}`'} | {note} |"
-             for producer, name, site, note in SITE_TABLE]
-    return "\n".join(rows)
+    parts = []
+    for producer in dict.fromkeys(row[0] for row in SITE_TABLE):  # one table per producer, in the table's order
+        rows = [f"**{producer}**", "", "| name | site | note |", "|---|---|---|"]
+        rows += [f"| `{name}` | {site if site == 'refused' else f'`{site}`'} | {note} |"
+                 for who, name, site, note in SITE_TABLE if who == producer]
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
 
 
 # -- reading the formats ----------------------------------------------------------------------------
