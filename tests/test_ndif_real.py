@@ -27,23 +27,16 @@ from nnsight.modeling import huggingface
 from nnterp import (
     Prompt,
     StandardizedTransformer,
-    activation_patching,
-    collect,
-    logit_difference,
-    logit_lens,
-    patchscope_lens,
     run_prompts,
     run_with_cache,
-    steered_generate,
 )
 from nnterp import test_prompt as answer_ranks  # under its own name, pytest would collect it
 from nnterp.families import BY_MODEL_TYPE
-from nnterp.validation import check_identity
 
 from .conftest import build_tiny, tiny_tokenizer
 from .ndif.harness import NDIFServer, save_to_hub_cache, unavailable
 from .test_families import CASES, IDS
-from .test_remote import assert_same, edit_everything, read_everything
+from .test_remote import assert_same, assert_tools_run_remotely, edit_everything, read_everything
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no real NDIF server here: {REASON}")
@@ -153,23 +146,7 @@ def test_the_runs_of_a_looped_block_run_on_ndif_bit_exactly(arrivals):
 
 def test_every_research_tool_runs_on_ndif_bit_exactly(arrivals, tmp_path):
     model = load("nnterp-ci/gpt2")
-    prompts = ["the cat sat on the mat", "Paris is in"]
-    assert_same(logit_lens(model, prompts), logit_lens(model, prompts, remote=True))
-    metric = logit_difference(5, 6)
-    assert_same(activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2]),
-                activation_patching(model, "the cat sat", "the dog sat", metric, layers=[0, 2], remote=True))
-    assert_same(patchscope_lens(model, prompts, "the cat is"), patchscope_lens(model, prompts, "the cat is", remote=True))
-    vector = torch.linspace(-1, 1, model.hidden_size)
-    assert_same(steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3),
-                steered_generate(model, "the cat", 1, vector, factor=4.0, max_new_tokens=3, remote=True))
-    values = ["layer_output", "mlp.mlp_output"]
-    here = collect(model, prompts * 3, tmp_path / "local", values, positions="all", batch_size=4, progress=False)
-    there = collect(model, prompts * 3, tmp_path / "remote", values, positions="all", batch_size=4, progress=False,
-                    remote=True)
-    for name in values:
-        assert torch.equal(here[name], there[name])
-    assert [(r.exact, r.max_abs_diff) for r in check_identity(model)] == \
-           [(r.exact, r.max_abs_diff) for r in check_identity(model, remote=True)]
+    prompts = assert_tools_run_remotely(model, tmp_path)
     logits, cache = run_with_cache(model, prompts)
     logits_remote, cache_remote = run_with_cache(model, prompts, remote=True)
     assert torch.equal(logits, logits_remote) and cache.keys() == cache_remote.keys()

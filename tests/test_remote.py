@@ -194,9 +194,9 @@ def test_every_value_and_edit_runs_remotely_bit_exactly(case, checkpoints, reque
 TOOL_CASES = ["gpt2", "llama", "opt", "gpt_oss", "falcon_7b_parallel", "gemma2", "deepseek_v4"]
 
 
-@pytest.mark.parametrize("case", TOOL_CASES)
-def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tmp_path):
-    model = without_unswitchable_attention(load(case, checkpoints), requests)
+def assert_tools_run_remotely(model, tmp_path) -> list[str]:
+    """The logit lens, patching, patchscopes, steering, collection and the identity check, local and remote: equal
+    bit for bit. Returns the prompts it used."""
     prompts = ["the cat sat on the mat", "Paris is in"]
     assert_same(logit_lens(model, prompts), logit_lens(model, prompts, remote=True))
     metric = logit_difference(5, 6)
@@ -214,6 +214,13 @@ def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tm
         assert torch.equal(here[name], there[name])
     assert [(r.exact, r.max_abs_diff) for r in check_identity(model)] == \
            [(r.exact, r.max_abs_diff) for r in check_identity(model, remote=True)]
+    return prompts
+
+
+@pytest.mark.parametrize("case", TOOL_CASES)
+def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tmp_path):
+    model = without_unswitchable_attention(load(case, checkpoints), requests)
+    assert_tools_run_remotely(model, tmp_path)
     if model._nnterp_attention_on and case != "deepseek_v4":
         with torch.no_grad(), model.trace(IDS):
             heads = nnsight.save(model.head_outputs(1))
