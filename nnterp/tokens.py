@@ -72,8 +72,28 @@ class AnswerToken:
                 f"logit {self.logit:.3f}\n  top {len(self.top)}: {top}")
 
 
+class AnswerTokens(list):
+    """``test_prompt``'s result: a list of ``AnswerToken``, printed as its report. A notebook shows the report once:
+    the call prints it, so its first display as a cell's value shows nothing more."""
+
+    def __init__(self, tokens, report: str, printed: bool):
+        list.__init__(self, tokens)
+        self.report, self._printed = report, printed
+
+    def __str__(self) -> str:
+        return self.report
+
+    def __repr__(self) -> str:
+        return "AnswerTokens([" + ", ".join(f"{visible(t.token)!r}: rank {t.rank}" for t in self) + "])"
+
+    def _ipython_display_(self) -> None:
+        if not self._printed:
+            print(self.report)
+        self._printed = False  # shown again when asked again
+
+
 def test_prompt(model, prompt: str, answer: str, top_k: int = 10, prepend_space: bool = True,
-                print_results: bool = True, remote: bool | str = False) -> list[AnswerToken]:
+                print_results: bool = True, remote: bool | str = False) -> AnswerTokens:
     """How the model ranks ``answer`` after ``prompt``: one ``AnswerToken`` per token of the answer.
 
     The answer's tokens follow the prompt's (tokenized on their own, as TransformerLens does) in
@@ -102,14 +122,14 @@ def test_prompt(model, prompt: str, answer: str, top_k: int = 10, prepend_space:
             token=tokenizer.decode([token_id]), id=token_id, rank=int((p > p[token_id]).sum()) + 1,
             probability=float(p[token_id]), logit=float(logits[k, token_id]),
             top=[(visible(tokenizer.decode([int(i)])), float(q)) for i, q in zip(top.indices, top.values)]))
+    report = "\n".join([f"Prompt: {[visible(t) for t in to_str_tokens(model, prompt_ids)]}",
+                         f"Answer: {[visible(t) for t in to_str_tokens(model, answer_ids)]}",
+                         *map(str, results)])
     if print_results:
-        print("Prompt:", [visible(t) for t in to_str_tokens(model, prompt_ids)])
-        print("Answer:", [visible(t) for t in to_str_tokens(model, answer_ids)])
-        for result in results:
-            print(result)
-    return results
+        print(report)
+    return AnswerTokens(results, report, printed=print_results)
 
 
 test_prompt.__test__ = False  # a library function, not a test for pytest to collect
 
-__all__ = ["AnswerToken", "single_token", "test_prompt", "to_str_tokens", "visible"]
+__all__ = ["AnswerToken", "AnswerTokens", "single_token", "test_prompt", "to_str_tokens", "visible"]

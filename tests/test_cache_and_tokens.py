@@ -156,6 +156,21 @@ def test_test_prompt_against_a_plain_forward(gpt2, capsys):
     assert "␣Paris" in printed and f"rank {results[0].rank}," in printed and f"{results[0].probability:.4f}" in printed
 
 
+def test_test_prompt_shows_its_report_once_in_a_notebook(gpt2, capsys):
+    results = gpt2.test_prompt("The Eiffel Tower is in", "Paris", top_k=2)
+    printed = capsys.readouterr().out
+    assert printed.strip() == str(results) and "␣Paris" in printed
+    results._ipython_display_()  # the notebook showing the cell's value right after the call printed it
+    assert capsys.readouterr().out == ""
+    results._ipython_display_()  # shown when asked again
+    assert capsys.readouterr().out.strip() == str(results)
+    quiet = gpt2.test_prompt("The Eiffel Tower is in", "Paris", top_k=2, print_results=False)
+    assert capsys.readouterr().out == "" and [r.rank for r in quiet] == [r.rank for r in results]
+    quiet._ipython_display_()  # nothing printed: the notebook shows it
+    assert capsys.readouterr().out.strip() == str(results)
+    assert isinstance(results, list) and "rank" in repr(results) and "\n" not in repr(results)
+
+
 def test_top_tokens_show_whitespace(gpt2):
     space, newline, paris = 220, 198, gpt2.tokenizer.encode(" Paris")[0]
     assert [gpt2.tokenizer.decode([i]) for i in (space, newline, paris)] == [" ", "\n", " Paris"]
