@@ -537,6 +537,21 @@ def _norm_form(model, module: nn.Module, x: torch.Tensor, label: str) -> tuple[b
     return centred, min(error, key=error.get)
 
 
+def _frozen_at(cache, layer: int, mlp_input: bool, pos_slice, batch_slice, has_batch_dim: bool):
+    """``(the frozen norm, its scale sliced as a stack is)``, or ``(None, None)`` where there is no final norm."""
+    norm = frozen_norm(cache, layer, mlp_input)
+    if norm is None:
+        return None, None
+    scale = _take(norm.scale, batch_slice, 0)
+    if not has_batch_dim:
+        if scale.dim() == norm.scale.dim():  # still a batch dimension: it must be one prompt
+            if scale.shape[0] != 1:
+                raise ValueError("apply_ln_to_stack(has_batch_dim=False) needs one prompt: a cache of one, or an int "
+                                 "batch_slice.")
+            scale = scale[0]
+    return norm, _take(scale, pos_slice, -2)
+
+
 def apply_ln_to_stack(cache, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
                       pos_slice=None, batch_slice=None, has_batch_dim: bool = True, recompute_ln: bool = False,
                       incl_bias: bool = True, labels: Sequence[str] | None = None):
@@ -560,17 +575,9 @@ def apply_ln_to_stack(cache, residual_stack: torch.Tensor, layer: int | None = N
             with torch.no_grad():
                 normed = torch.stack([native(_module(model, None, None), row).float() for row in stack])
         return normed if labels is None else (normed, labels)
-    norm = frozen_norm(cache, layer, mlp_input)
+    norm, scale = _frozen_at(cache, layer, mlp_input, pos_slice, batch_slice, has_batch_dim)
     if norm is None:  # no final norm: the head reads the stream as it is
         return stack.float() if labels is None else (stack.float(), labels)
-    scale = _take(norm.scale, batch_slice, 0)
-    if not has_batch_dim:
-        if scale.dim() == norm.scale.dim():  # still a batch dimension: it must be one prompt
-            if scale.shape[0] != 1:
-                raise ValueError("apply_ln_to_stack(has_batch_dim=False) needs one prompt: a cache of one, or an int "
-                                 "batch_slice.")
-            scale = scale[0]
-    scale = _take(scale, pos_slice, -2)
     normed = norm.linear(stack, scale)
     if incl_bias and norm.bias is not None:
         normed = torch.cat([normed, norm.bias.expand(normed.shape[1:])[None]])
@@ -766,9 +773,6 @@ def logit_attrs(cache, residual_stack: torch.Tensor, tokens, incorrect_tokens=No
             _refuse(model, what, "the model softcaps its logits, tanh(logits / cap) * cap, which no sum of rows is; "
                                  "pass before_logits_transform=True to attribute the head's output before the cap")
         factor *= after
-    normed, labels = apply_ln_to_stack(cache, residual_stack, None, pos_slice=pos_slice, batch_slice=batch_slice,
-                                       has_batch_dim=has_batch_dim, incl_bias=incl_bias,
-                                       labels=[""] * len(residual_stack) if labels is None else labels)
     direction, bias = _directions(model, tokens, what)
     if incorrect_tokens is not None:
         wrong, wrong_bias = _directions(model, incorrect_tokens, what)
@@ -777,9 +781,48 @@ def logit_attrs(cache, residual_stack: torch.Tensor, tokens, incorrect_tokens=No
                              f"{tuple(wrong.shape[:-1])}).")
         direction = direction - wrong
         bias = None if bias is None else bias - wrong_bias
-    attributions = (normed * direction.to(normed.device)).sum(-1)
+    stack = _take(residual_stack, batch_slice, 1) if has_batch_dim else residual_stack
+    labels = [""] * len(residual_stack) if labels is None else list(labels)
+    norm, scale = _frozen_at(cache, model.num_layers, False, pos_slice, batch_slice, has_batch_dim)
+    direction = direction.to(stack.device)
+    # the frozen norm folded into the direction: ((s - mean s) / scale * gain) · d == s · (w - mean w) / scale with
+    # w = gain * d, one product per row, without a normed copy of the stack
+    w = direction if norm is None or norm.gain is None else direction * norm.gain.to(stack.device)
+    if norm is not None and norm.centred:
+        w = w - w.mean(-1, keepdim=True)
+    w = w.expand(stack.shape[1:]) if w.dim() < stack.dim() - 1 else w
+    attributions = torch.matmul(stack.float().unsqueeze(-2), w.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    if norm is not None:
+        attributions = attributions / scale.to(stack.device).squeeze(-1)
+        if incl_bias and norm.bias is not None:
+            row = (norm.bias.to(stack.device) * direction).sum(-1).expand(attributions.shape[1:])
+            attributions, labels = torch.cat([attributions, row[None]]), [*labels, f"{norm.label}_bias"]
     if incl_bias and bias is not None:
         attributions = torch.cat([attributions, bias.to(attributions.device).expand(attributions.shape[1:])[None]])
         labels = [*labels, "lm_head_bias"]
     attributions = attributions * factor
     return (attributions, labels) if asked else attributions
+
+
+# -- what is served ---------------------------------------------------------------------------------
+
+SERVED = ("decompose_resid", "stack_head_results", "logit_attrs")
+
+
+def refusal(cache, analysis: str) -> str | None:
+    """Why ``analysis`` (one of ``SERVED``) is refused on this cache's model, ``AnalysisUnavailable``'s reason, or
+    None where it is served: the analysis runs on the cache as a call would (``logit_attrs`` of the stream the final
+    norm reads, a stack of one row, on token 0), so this is its own decision. The family pages list it."""
+    calls = {"decompose_resid": lambda: decompose_resid(cache),
+             "stack_head_results": lambda: stack_head_results(cache),
+             "logit_attrs": lambda: logit_attrs(cache, stream_at(cache, cache.model.num_layers)[None],
+                                                torch.tensor(0))}
+    if analysis not in calls:
+        raise ValueError(f"refusal: the analysis is one of {', '.join(SERVED)}, not {analysis!r}.")
+    try:
+        calls[analysis]()
+    except AnalysisUnavailable as error:  # "{what} is unavailable on {family}: {reason}."
+        head, _, reason = str(error).partition(": ")
+        what = head.split(" is unavailable on ")[0]
+        return (reason if what == analysis else f"{what}: {reason}").removesuffix(".")
+    return None

@@ -8,6 +8,7 @@ maintain.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import inspect
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 from .attention import internal_locations
 from .catalog import CATALOG
 from .doctest_runner import blocks, pictures, run_page
+from .errors import RunNotChosen
 from .families import FAMILIES, Family
 from .families.base import Block
 from .locations import At, SameAs, Unavailable
@@ -129,6 +131,53 @@ def _mlp_module(family: Family, found: list[Shape]) -> str:
     return "the block itself (no MLP module)"
 
 
+def analyses(family: Family) -> dict[str, str | None]:
+    """Each analysis of ``analysis.SERVED``: None where it is served on the family's test config, else the reason
+    it is refused, as the analysis itself decides (``analysis.refusal``) on a cache of a tiny model of that config
+    (random weights moved off 0 and 1). The numbers of a reason that depend on the weights are left out."""
+
+    return _analyses(family.name)
+
+
+@functools.cache
+def _analyses(name: str) -> dict[str, str | None]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .analysis import SERVED, refusal
+    from .registry import _placeholder_tokenizer
+    from .standardized import StandardizedTransformer
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]), quiet_transformers():  # the user's random state as it was
+        torch.manual_seed(0)
+        hf_model = AutoModelForCausalLM.from_config(next(f for f in FAMILIES if f.name == name).tiny_config()).eval()
+        with torch.no_grad():
+            for parameter in hf_model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        model = StandardizedTransformer(hf_model, tokenizer=_placeholder_tokenizer())
+        try:
+            _, cache = model.run_with_cache(torch.arange(1, 6)[None])
+        except RunNotChosen as error:  # a looped section: no cache of one value per block
+            reason = f"it reads a cache of run_with_cache, which has no single value per block here: {error}"
+            return dict.fromkeys(SERVED, reason.partition(", so")[0])
+        return {name: None if (why := refusal(cache, name)) is None else
+                re.sub(r" \(relative difference [^)]*\)", "", why) for name in SERVED}
+
+
+def _analyses_table(family: Family) -> list[str]:
+    return ["**Analyses** ([direct logit attribution](../guide/attribution.md)) on the test config, as each decides "
+            "on its cache:", "", "| analysis | on the test config |", "|---|---|"] + [
+        f"| `{name}` | {_served(family, name, why)} |" for name, why in analyses(family).items()] + [""]
+
+
+def _served(family: Family, name: str, why: str | None) -> str:
+    if why is not None:
+        return "refused: " + html.escape(why, quote=False).replace("|", "&#124;")
+    return "served (an empty stack: no block has attention)" if name == "stack_head_results" and not family.attention \
+        else "served"
+
+
 def family_page(family: Family) -> str:
     doc = inspect.cleandoc(sys.modules[family.block.__module__].__doc__ or "")
     config = family.tiny_config()
@@ -162,6 +211,7 @@ def family_page(family: Family) -> str:
                   + " and the head" + (f" and `{family.vocab_projection}`" if family.vocab_projection else "")
                   + (", then the family's transform of the logits"
                                        if family.logits_transform else "") + ".", ""]
+    lines += _analyses_table(family)
     for shape in found:
         block = shape.block
         lines += [f"## {shape.title(found)}", "", "**Identity**, in the code's order of addition"

@@ -1,6 +1,6 @@
-"""Heatmaps of the logit lens, of patching and of attention patterns.
+"""Heatmaps of the logit lens, of patching, of direct logit attribution and of attention patterns.
 
-PNG with matplotlib; the lens and patching heatmaps also as interactive HTML where plotly is
+PNG with matplotlib; the lens, patching and attribution heatmaps also as interactive HTML where plotly is
 installed; attention patterns as a self-contained interactive HTML page (no network needed).
 Each ``plot_*`` writes a PNG at ``path`` and returns its path, or returns the matplotlib figure
 when ``path`` is None (close it with ``matplotlib.pyplot.close(figure)``).
@@ -9,6 +9,7 @@ when ``path`` is None (close it with ``matplotlib.pyplot.close(figure)``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,6 +85,60 @@ def plot_patching(effects: torch.Tensor, tokens: Sequence[str], path: str | Path
     if html:
         _plotly_html(effects, labels, list(tokens), rows, Path(path).with_suffix(".html"), title,
                      _plotly_colorscale("RdBu"), zmin=-halfrange, zmax=halfrange)
+    return _save(figure, path)
+
+
+ATTRIBUTED = re.compile(r"^L(\d+)([HN]\d+)$|^(\d+)_(.+)$")  # L3H5, L3N17 / 3_attn_out, 3_mlp_out, 3_mamba
+
+
+def plot_attribution(attributions: torch.Tensor, labels: Sequence[str], path: str | Path | None,
+                     title: str = "Direct logit attribution", html: bool = True):
+    """A layers x components heatmap of one logit's attributions, placed by their labels.
+
+    ``attributions`` is ``[components]``, one prompt and position of ``logit_attrs`` (e.g. ``attrs[:, 0]``
+    of a position-sliced stack), and ``labels`` their labels: ``{i}_attn_out``, ``{i}_mlp_out``, ...
+    (``decompose_resid``) give one column per kind of contribution, ``L{i}H{h}`` (``stack_head_results``)
+    one per head, ``L{i}N{n}`` one per neuron; a label of no block (``embed``, a bias, ``remainder``) is a
+    row of its own, one cell in the first column. Signed, so coloured as ``plot_patching`` is.
+    """
+    _pyplot()  # a clear error where matplotlib is missing
+    from matplotlib.colors import CenteredNorm
+
+    values = torch.as_tensor(attributions).detach().float().cpu()
+    if values.dim() != 1:
+        raise ValueError(f"plot_attribution draws one logit's attributions, [components]; these are "
+                         f"{list(values.shape)}: pick one prompt and position, e.g. attributions[:, 0] of a "
+                         "position-sliced stack, or attributions[:, 0, -1].")
+    labels = list(labels)
+    if len(labels) != len(values):
+        raise ValueError(f"{len(values)} attributions but {len(labels)} labels: pass the labels of the stack "
+                         "(return_labels=True), with the bias rows logit_attrs(..., labels=...) adds.")
+    cells = []  # (row, column) of each attribution
+    for label in labels:
+        match = ATTRIBUTED.match(label)
+        cells.append((label, None) if match is None else (match[1] or match[3], match[2] or match[4]))
+    repeated = sorted({label for label, cell in zip(labels, cells) if cells.count(cell) > 1})
+    if repeated:
+        raise ValueError(f"The labels {repeated} name the same cell more than once: one stack's labels, each once.")
+    rows = list(dict.fromkeys(row for row, _ in cells))
+    columns = list(dict.fromkeys(column for _, column in cells if column is not None)) or [""]
+    grid = torch.full((len(rows), len(columns)), float("nan"))
+    text = [[""] * len(columns) for _ in rows]
+    for value, (row, column) in zip(values.tolist(), cells):
+        y, x = rows.index(row), 0 if column is None else columns.index(column)
+        grid[y, x], text[y][x] = value, f"{value:.2f}"
+    halfrange = float(values.abs().max()) if len(values) else 0.0
+    figure = _heatmap(grid, text, columns, rows, title=title, colorbar="logit attribution", cmap="RdBu",
+                      norm=CenteredNorm(vcenter=0.0, halfrange=halfrange or 1.0))
+    axes = figure.axes[0]
+    for label in [t for t in axes.texts if grid.isnan()[round(t.get_position()[1]), round(t.get_position()[0])]]:
+        label.remove()  # no attribution in the cell
+    axes.set_xlabel("head" if all(c.startswith("H") for c in columns) else "component", fontsize=LABEL_FONT)
+    if path is None:
+        return figure
+    if html:
+        _plotly_html(grid, text, columns, rows, Path(path).with_suffix(".html"), title, _plotly_colorscale("RdBu"),
+                     zmin=-halfrange, zmax=halfrange)
     return _save(figure, path)
 
 
