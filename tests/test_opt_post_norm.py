@@ -252,8 +252,9 @@ def test_generation_matches_the_plain_model_and_reads_every_step():
 
 
 def test_the_attention_internals_are_read_from_the_unnormed_stream():
-    """The post-norm attention projects ``layer_input`` itself: queries (scaled by the model), keys and values are
-    q_proj, k_proj and v_proj of it, per head; the probabilities mix the values into attention_premix."""
+    """The post-norm attention projects ``layer_input`` itself: queries (unscaled, as on every family: the model
+    scales them after), keys and values are q_proj, k_proj and v_proj of it, per head; the probabilities mix the
+    values into attention_premix."""
     model, hf_model = make()
     model.enable_attention_values()  # proven on the miniature, with the internals
     attn = hf_model.model.decoder.layers[1].self_attn
@@ -272,7 +273,7 @@ def test_the_attention_internals_are_read_from_the_unnormed_stream():
     with torch.no_grad():
         assert torch.equal(attn.q_proj(seen["input"]), seen["q_proj"])  # the attention reads the block input as is
     heads = model.num_heads
-    for got, want in ((q, seen["q_proj"] * attn.scaling), (k, seen["k_proj"]), (v, seen["v_proj"])):
+    for got, want in ((q, seen["q_proj"]), (k, seen["k_proj"]), (v, seen["v_proj"])):
         assert torch.equal(got, want.view(*want.shape[:2], heads, -1))
     assert torch.allclose(probabilities.sum(-1), torch.ones(()), atol=1e-6)
     mixed = torch.matmul(probabilities, v.transpose(1, 2)).transpose(1, 2)
