@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +22,7 @@ import transformers as T  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import tiny_tokenizer  # noqa: E402
+from timing import timed  # noqa: E402
 
 from nnterp import StandardizedTransformer  # noqa: E402
 
@@ -35,18 +34,6 @@ def gpt2_small():
     torch.manual_seed(0)
     config = T.GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
     return StandardizedTransformer(T.GPT2LMHeadModel(config).eval(), tokenizer=tiny_tokenizer())
-
-
-def timed(function, rounds: int) -> tuple[float, object]:
-    """The median wall time of ``rounds`` calls after one uncounted call (a first call's one-time costs), and the
-    last call's result."""
-    function()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        result = function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def analysis(cache):

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,6 +26,7 @@ import transformers as T  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import tiny_tokenizer  # noqa: E402
+from timing import timed  # noqa: E402
 
 from nnterp import StandardizedTransformer  # noqa: E402
 from nnterp.interventions import activation_patching, attribution_patching, logit_difference  # noqa: E402
@@ -40,16 +39,6 @@ def llama_12x256():
     config = T.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
                            num_key_value_heads=4, vocab_size=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
     return StandardizedTransformer(T.LlamaForCausalLM(config).eval(), tokenizer=tiny_tokenizer())
-
-
-def timed(function, rounds: int) -> tuple[float, object]:
-    """The median wall time of ``rounds`` calls, and the last call's result."""
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        result = function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def main():

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,6 +28,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import tiny_tokenizer  # noqa: E402
+from timing import timed  # noqa: E402
 
 import nnterp  # noqa: E402
 from nnterp import StandardizedTransformer  # noqa: E402
@@ -61,18 +60,6 @@ def saelens_folder(root: Path, d_in: int, d_sae: int) -> tuple[Path, dict[str, t
     save_file(weights, str(root / "sae_weights.safetensors"))
     (root / "cfg.json").write_text(json.dumps(cfg))
     return root, weights
-
-
-def timed(function, rounds: int) -> tuple[float, object]:
-    """The median wall time of ``rounds`` calls after one uncounted call (a first call's one-time costs), and the
-    last call's result."""
-    function()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        result = function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def main():

@@ -36,7 +36,7 @@ from nnterp.families import BY_MODEL_TYPE
 from .conftest import build_tiny, tiny_tokenizer
 from .ndif.harness import NDIFServer, save_to_hub_cache, unavailable
 from .test_families import CASES, IDS
-from .test_remote import assert_same, assert_tools_run_remotely, edit_everything, read_everything
+from .test_remote import assert_same, assert_tools_run_remotely, edit_everything, every_run, read_everything
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no real NDIF server here: {REASON}")
@@ -122,23 +122,7 @@ def test_a_hybrid_runs_on_ndif_bit_exactly(arrivals):
 def test_the_runs_of_a_looped_block_run_on_ndif_bit_exactly(arrivals):
     model = load("nnterp-ci/dory")
     looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
-
-    def every_run(remote):
-        with torch.no_grad(), model.trace(IDS, remote=remote):
-            saved = nnsight.save({})
-            for i, run in model.schedule:
-                at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
-                for key in model.order(i):
-                    owner, _, name = key.rpartition(".")
-                    saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
-            saved["logits"] = model.logits
-        with torch.no_grad(), model.trace(IDS, remote=remote):
-            model.layers[looped].run(1).self_attn.attention_output[:] *= 0.5
-            model.layers[looped + 1].run(1).layer_input = model.layers[looped + 1].run(1).layer_input * 0.5
-            edited = model.logits.save()
-        return {**saved, "edited": edited}
-
-    local, remote = every_run(False), every_run(True)
+    local, remote = every_run(model, False), every_run(model, True)
     assert any(key.startswith(f"{looped}.1.") for key in local) and not torch.equal(local["edited"], local["logits"])
     assert_same(local, remote)
     assert len(arrivals) == 2

@@ -316,6 +316,25 @@ def test_other_topologies_run_remotely_bit_exactly(model_type, checkpoints, requ
     assert requests
 
 
+def every_run(model, remote) -> dict:
+    """Every value of every block call of a looped model, its logits, and the logits with the second run of the first
+    looped block edited (in place, and by assignment)."""
+    looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
+    with torch.no_grad(), model.trace(IDS, remote=remote):
+        saved = nnsight.save({})
+        for i, run in model.schedule:
+            at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
+            for key in model.order(i):
+                owner, _, name = key.rpartition(".")
+                saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
+        saved["logits"] = model.logits
+    with torch.no_grad(), model.trace(IDS, remote=remote):
+        model.layers[looped].run(1).self_attn.attention_output[:] *= 0.5
+        model.layers[looped + 1].run(1).layer_input = model.layers[looped + 1].run(1).layer_input * 0.5
+        edited = model.logits.save()
+    return {**saved, "edited": edited}
+
+
 @pytest.mark.parametrize("model_type", ["dory", "hrm_text", "inkling2_loop_text"])
 def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpoints, requests):
     """Dory's looped section and HRM-Text's two looped stacks: every value of every run of every block, and edits
@@ -328,23 +347,7 @@ def test_the_runs_of_a_looped_block_run_remotely_bit_exactly(model_type, checkpo
     model = StandardizedTransformer(str(folder), attention_values=True)
     looped = next(i for i in range(model.num_layers) if model.runs_of(i) > 1)
     assert model.runs_of(looped + 1) > 1
-
-    def every_run(remote):
-        with torch.no_grad(), model.trace(IDS, remote=remote):
-            saved = nnsight.save({})
-            for i, run in model.schedule:
-                at = model.layers[i].run(run) if model.runs_of(i) > 1 else model.layers[i]
-                for key in model.order(i):
-                    owner, _, name = key.rpartition(".")
-                    saved[f"{i}.{run}.{key}"] = getattr(getattr(at, owner) if owner else at, name)
-            saved["logits"] = model.logits
-        with torch.no_grad(), model.trace(IDS, remote=remote):
-            model.layers[looped].run(1).self_attn.attention_output[:] *= 0.5
-            model.layers[looped + 1].run(1).layer_input = model.layers[looped + 1].run(1).layer_input * 0.5
-            edited = model.logits.save()
-        return {**saved, "edited": edited}
-
-    local, remote = every_run(False), every_run(True)
+    local, remote = every_run(model, False), every_run(model, True)
     assert set(local) == set(remote) and len(local) > 100
     for key in local:
         assert torch.equal(local[key], remote[key]), key
