@@ -790,7 +790,6 @@ def logit_attrs(cache, residual_stack: torch.Tensor, tokens, incorrect_tokens=No
     w = direction if norm is None or norm.gain is None else direction * norm.gain.to(stack.device)
     if norm is not None and norm.centred:
         w = w - w.mean(-1, keepdim=True)
-    w = w.expand(stack.shape[1:]) if w.dim() < stack.dim() - 1 else w
     attributions = torch.matmul(stack.float().unsqueeze(-2), w.unsqueeze(-1)).squeeze(-1).squeeze(-1)
     if norm is not None:
         attributions = attributions / scale.to(stack.device).squeeze(-1)

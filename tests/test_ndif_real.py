@@ -36,7 +36,14 @@ from nnterp.families import BY_MODEL_TYPE
 from .conftest import build_tiny, tiny_tokenizer
 from .ndif.harness import NDIFServer, save_to_hub_cache, unavailable
 from .test_families import CASES, IDS
-from .test_remote import assert_same, assert_tools_run_remotely, edit_everything, every_run, read_everything
+from .test_remote import (
+    assert_heads_run_remotely,
+    assert_same,
+    assert_tools_run_remotely,
+    edit_everything,
+    every_run,
+    read_everything,
+)
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no real NDIF server here: {REASON}")
@@ -139,15 +146,7 @@ def test_every_research_tool_runs_on_ndif_bit_exactly(arrivals, tmp_path):
         assert torch.equal(cache[key], cache_remote[key]), key
     assert answer_ranks(model, "the cat sat on the", "mat", print_results=False) == \
            answer_ranks(model, "the cat sat on the", "mat", print_results=False, remote=True)
-    with torch.no_grad(), model.trace(IDS):
-        heads = nnsight.save(model.head_outputs(1))
-        model.scale_heads(1, [0, 2], 0.5)
-        scaled = nnsight.save(model.logits)
-    with torch.no_grad(), model.trace(IDS, remote=True):
-        heads_remote = nnsight.save(model.head_outputs(1))
-        model.scale_heads(1, [0, 2], 0.5)
-        scaled_remote = nnsight.save(model.logits)
-    assert torch.equal(heads, heads_remote) and torch.equal(scaled, scaled_remote)
+    assert_heads_run_remotely(model)
     assert arrivals and set(arrivals) == {"inline"}
 
 

@@ -222,15 +222,20 @@ def test_research_tools_run_remotely_bit_exactly(case, checkpoints, requests, tm
     model = without_unswitchable_attention(load(case, checkpoints), requests)
     assert_tools_run_remotely(model, tmp_path)
     if model._nnterp_attention_on and case != "deepseek_v4":
-        with torch.no_grad(), model.trace(IDS):
+        assert_heads_run_remotely(model)
+
+
+def assert_heads_run_remotely(model) -> None:
+    """Block 1's head outputs, and the logits with two of its heads scaled, local and remote: equal bit for bit."""
+    def heads_and_scaled(remote):
+        with torch.no_grad(), model.trace(IDS, remote=remote):
             heads = nnsight.save(model.head_outputs(1))
             model.scale_heads(1, [0, 2], 0.5)
             logits = nnsight.save(model.logits)
-        with torch.no_grad(), model.trace(IDS, remote=True):
-            heads_remote = nnsight.save(model.head_outputs(1))
-            model.scale_heads(1, [0, 2], 0.5)
-            logits_remote = nnsight.save(model.logits)
-        assert torch.equal(heads, heads_remote) and torch.equal(logits, logits_remote)
+        return heads, logits
+
+    (heads, logits), (heads_remote, logits_remote) = heads_and_scaled(False), heads_and_scaled(True)
+    assert torch.equal(heads, heads_remote) and torch.equal(logits, logits_remote)
 
 
 def test_a_model_loaded_without_weights_runs_remotely_and_stays_without_them(checkpoints, requests):
