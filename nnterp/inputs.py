@@ -77,7 +77,10 @@ def warn_foreign_hooks(model: torch.nn.Module, warned: set) -> None:
     """Warn (once per hook) where a module carries a PyTorch forward hook the user registered: nnsight reads a
     module's own output, before the hook replaces it, so a hooked block's ``layer_output`` is not the next block's
     ``layer_input``, and a remote run (the server's model has no such hook) computes something else."""
-    for name, module in model.named_modules():
+    for module in model.modules():  # on every trace: names only where there is a hook
+        if not (module._forward_hooks or module._forward_pre_hooks):
+            continue
+        name = next(path for path, candidate in model.named_modules() if candidate is module)
         for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
             for key, hook in hooks.items():
                 if (id(module), kind, key) in warned:
