@@ -2,61 +2,30 @@
 
 Each value is a ``StandardValue`` descriptor, declared below so that editors and type checkers
 see it; a test checks that the declarations are exactly the catalog's. Each envoy carries a
-``_nnterp_slot`` (the model and the block index) set by ``StandardizedTransformer``, and a value
-is read or written through the model's engine (``read_value`` / ``write_value``).
+``_nnterp_slot`` (``nnterp.engine.Slot``: the model and the block index) set by ``StandardizedTransformer``, and
+a value is read or written through the slot's bound value (``Slot.value(name)``), straight to nnsight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from greenlet import getcurrent
 from nnsight import Envoy
 
-from .catalog import BY_NAME, suggestion, value_named
+from .catalog import BY_NAME, suggestion
+from .engine import Slot, ValueOutsideTrace
 from .errors import ValueUnavailable
 from .locations import Unavailable
 
-if TYPE_CHECKING:
-    from .standardized import StandardizedTransformer
-
-
-@dataclass
-class Slot:
-    model: StandardizedTransformer
-    layer: int
-    run: int | None = None  # which run of a block that runs several times per pass (None: the block's only one)
-
-    def label(self) -> str:
-        return f"layers[{self.layer}]" + ("" if self.run is None else f".run({self.run})")
+__all__ = ["Slot", "ValueOutsideTrace", "StandardValue", "BlockEnvoy", "AttentionEnvoy", "MLPEnvoy", "SublayerEnvoy",
+           "BlockWithMLPEnvoy", "LayersEnvoy", "BlockRun", "standard_values", "in_trace"]
 
 
 def in_trace() -> bool:
     """Whether intervention code is running now (nnsight runs it in a worker that carries a mediator)."""
     return getattr(getcurrent(), "mediator", None) is not None
-
-
-class ValueOutsideTrace:
-    """What ``model.layers[i].<value>`` is outside a trace: where the value is read. Its tensor exists only
-    inside one, so any use of it says how to read it there; ``hasattr`` thus tells availability everywhere."""
-
-    def __init__(self, label: str, key: str, where: str):
-        self.label, self.key, self.where = label, key, where
-
-    def __repr__(self) -> str:
-        value = value_named(self.key)
-        return (f"{self.label}.{self.key}: {value.meaning}, {value.shape}; read at {self.where}. "
-                "It holds a tensor inside `with model.trace(...)`.")
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):  # copy, pickle and friends probe dunders: plain "no such attribute"
-            raise AttributeError(name)
-        raise ValueError(
-            f"{self.label}.{self.key} is a tensor only inside a trace: "
-            f"`with model.trace(prompt): x = model.{self.label}.{self.key}.save()`, then use `x`."
-        )
 
 
 class StandardValue:
@@ -70,10 +39,10 @@ class StandardValue:
         if envoy is None:
             return self
         slot = envoy._nnterp_slot
-        if not in_trace():
-            location, key, *_ = slot.model._resolved(slot.layer, self.name)  # an unavailable value raises here
-            return ValueOutsideTrace(slot.label(), key, location.describe())
-        return slot.model.read_value(slot.layer, self.name, run=slot.run)
+        bound = slot.values.get(self.name) or slot.value(self.name)  # an unavailable value raises here
+        if getattr(getcurrent(), "mediator", None) is None:  # outside a trace: where it is read
+            return ValueOutsideTrace(slot.label(), bound.key, bound.location.describe())
+        return bound.read()
 
     def __set__(self, envoy, value: torch.Tensor) -> None:
         if isinstance(value, Envoy):  # nnsight mounting a module of the block that has this value's name (Inkling-2's
@@ -81,11 +50,11 @@ class StandardValue:
             envoy.__dict__[f"{Envoy.OVERLOAD_PREFIX}{self.name}"] = value
             return
         slot = envoy._nnterp_slot
+        bound = slot.value(self.name)
         if not in_trace():
-            key = slot.model._resolved(slot.layer, self.name)[1]
-            raise ValueError(f"{slot.label()}.{key} can be assigned only inside a trace: "
-                             f"`with model.trace(prompt): model.{slot.label()}.{key} = tensor`.")
-        slot.model.write_value(slot.layer, self.name, value, run=slot.run)
+            raise ValueError(f"{slot.label()}.{bound.key} can be assigned only inside a trace: "
+                             f"`with model.trace(prompt): model.{slot.label()}.{bound.key} = tensor`.")
+        bound.write(value)
 
 
 def standard_values(envoy_class: type) -> set[str]:
@@ -99,7 +68,7 @@ class StandardEnvoy(Envoy):
         # own error rather than nnsight's generic "has no attribute".
         slot = self.__dict__.get("_nnterp_slot")
         if slot is not None and name in standard_values(type(self)):
-            return slot.model.read_value(slot.layer, name, run=slot.run)
+            return slot.value(name).read()  # an unavailable value raises its own error
         if slot is not None and name in SUBLAYERS and isinstance(self, BlockEnvoy):
             _no_sublayer(slot, name)
         try:

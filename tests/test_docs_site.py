@@ -153,7 +153,7 @@ def test_the_api_reference_has_every_exported_name_and_no_internals(site):
     assert errors and all(f"nnterp.errors.{error.__name__}" in ids for error in errors)
     assert f"{Family.__module__}.Family" in ids
     # the class's section: its own members, then the tools it carries as methods
-    start, end = html.index('id="nnterp.StandardizedTransformer"'), html.index('id="nnterp.standardized.Availability"')
+    start, end = html.index('id="nnterp.StandardizedTransformer"'), html.index('id="nnterp.order.Availability"')
     headings = [re.sub(r"<[^>]+>|\s", "", text) for text in re.findall(r"<h[2-4][^>]*>(.*?)</h[2-4]>", html[start:end], re.S)]
     for method in ("run_with_cache", "to_str_tokens", "test_prompt", "availability", "order"):
         assert any(text.startswith(method) or f"StandardizedTransformer.{method}" in text for text in headings), method

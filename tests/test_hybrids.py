@@ -381,7 +381,7 @@ def test_the_proof_catches_a_misplaced_mixer_output():
     right = model._nnterp_blocks[block]
     wrong = dataclasses.replace(right, values={**right.values, "mixer_output": input_of("mamba", kwarg="hidden_states")})
     model._nnterp_blocks = tuple(wrong if i == block else b for i, b in enumerate(model._nnterp_blocks))
-    model._nnterp_resolved.clear()
+    model._unbind()
     problems = problems_of(model)
     assert problems and all(p.startswith(f"layer {block}:") for p in problems)
     assert any("the identity fails" in p for p in problems)

@@ -340,9 +340,9 @@ def test_the_proof_refuses_a_misplaced_layer_mid_on_a_block_that_moves_its_strea
     model, _ = make()
     right = model._nnterp_blocks
     model._nnterp_blocks = tuple(dataclasses.replace(b, values={**b.values, "layer_mid": at_input("mlp")}) for b in right)
-    model._nnterp_resolved.clear()
+    model._unbind()
     problems = problems_of(model)
     assert problems == ["layer 0: 'layer_mid' is not what the spec's mid() computes from the values"]
     model._nnterp_blocks = right
-    model._nnterp_resolved.clear()
+    model._unbind()
     assert problems_of(model) == []

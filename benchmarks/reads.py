@@ -1,0 +1,103 @@
+"""What one standard value read costs over the same read in raw nnsight.
+
+Prints, for ``model.layers[i].mlp.mlp_output`` (a module boundary: raw nnsight reads ``layers[i].mlp.output``):
+
+- the Python calls nnterp's own code makes for one read, the first read of a wrapped model (which resolves where
+  the value is) and a cached one (every later trace), counted with ``sys.setprofile`` over nnterp's files;
+- the time per value over raw nnsight's, as a ratio and in microseconds: a 16-block tiny Llama, batch 1 x 8
+  (latency-bound, where the cost of a read shows), every block's value saved in one trace.
+
+Usage: ``python benchmarks/reads.py [--rounds 30]``. CPU, one thread, no_grad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import nnsight  # noqa: E402
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
+from nnsight.modeling.transformers import TransformersModel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import tiny_tokenizer  # noqa: E402
+from timing import timed  # noqa: E402
+
+import nnterp  # noqa: E402
+from nnterp import StandardizedTransformer  # noqa: E402
+
+torch.set_num_threads(1)
+NNTERP_FILES = str(Path(nnterp.__file__).parent)
+
+
+def llama_tiny(layers: int = 16) -> T.PreTrainedModel:
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return T.LlamaForCausalLM(config).eval()
+
+
+def nnterp_calls(std: StandardizedTransformer, ids: torch.Tensor) -> int:
+    """The calls into nnterp's own functions while ``model.layers[1].mlp.mlp_output`` is read in a trace."""
+    calls = []
+
+    def profile(frame, event, _):
+        if event == "call" and frame.f_code.co_filename.startswith(NNTERP_FILES):
+            calls.append(frame.f_code.co_name)
+
+    with std.trace(ids):
+        std.layers[0].mlp.mlp_output  # noqa: B018 - the pass's first value: what a pass prepares once is done
+        sys.setprofile(profile)
+        std.layers[1].mlp.mlp_output  # noqa: B018
+        sys.setprofile(None)
+    return len(calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=30)
+    rounds = parser.parse_args().rounds
+    model, tok = llama_tiny(), tiny_tokenizer()
+    ids = torch.randint(0, 1000, (1, 8))
+    std = StandardizedTransformer(model, tokenizer=tok)
+    first = nnterp_calls(std, ids)
+    cached = nnterp_calls(std, ids)
+    raw = TransformersModel(model, tokenizer=tok)
+
+    def raw_reads():
+        with raw.trace(ids):
+            saved = nnsight.save([layer.mlp.output for layer in raw.model.layers])
+        return saved
+
+    def nnterp_reads():
+        with std.trace(ids):
+            saved = nnsight.save([layer.mlp.mlp_output for layer in std.layers])
+        return saved
+
+    def empty():
+        with raw.trace(ids):
+            pass
+
+    with torch.no_grad():
+        (raw_time, raw_saved), (nnterp_time, nnterp_saved) = timed(raw_reads, rounds), timed(nnterp_reads, rounds)
+        empty_time, _ = timed(empty, rounds)
+    assert all(torch.equal(a, b) for a, b in zip(raw_saved, nnterp_saved))
+    count = std.num_layers
+    print(f"model.layers[i].mlp.mlp_output on a {count}-block tiny Llama, batch 1 x 8, median of {rounds}")
+    print(f"  nnterp's Python calls per read: first read {first}, cached {cached}")
+    print(f"  raw nnsight {raw_time * 1e3:.2f} ms, nnterp {nnterp_time * 1e3:.2f} ms, an empty trace "
+          f"{empty_time * 1e3:.2f} ms per trace of {count} values")
+    print(f"  nnterp/raw per trace = {nnterp_time / raw_time:.3f}; per value (the empty trace taken off) = "
+          f"{(nnterp_time - empty_time) / (raw_time - empty_time):.3f}, "
+          f"{(nnterp_time - raw_time) / count * 1e6:+.1f} us per value over raw")
+
+
+if __name__ == "__main__":
+    main()
