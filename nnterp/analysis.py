@@ -27,6 +27,7 @@ sums are exact; everything computed from it (norms, heads, neurons, attributions
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from .catalog import BY_NAME
 from .errors import NNterpError, ValueUnavailable
 from .families.base import native
 from .locations import At
+from .sourced import sourced
 from .tokens import single_token
 from .validation import IDENTITY_TERMS
 
@@ -55,6 +57,7 @@ def _refuse(model, what: str, reason: str):
 # -- a block's identity as an addition tree ------------------------------------------------------
 
 
+@sourced
 @dataclass(frozen=True, eq=False)
 class Term:
     """A leaf of a block's identity: value ``name`` (or identity extra) as it reaches the stream, ``factor``
@@ -72,6 +75,7 @@ class Term:
         return value / self.factor if self.how == "value / factor" else value * self.factor
 
 
+@sourced
 @dataclass(frozen=True, eq=False)
 class Add:
     left: Term | Add
@@ -134,6 +138,7 @@ class _Symbol:
         raise _NotASum(f"it computes {getattr(func, '__name__', func)} on the values (a gate, a norm or a mix of streams)")
 
 
+@sourced
 @dataclass(frozen=True, eq=False)
 class BlockSum:
     """Block ``layer``'s identity as a sum: ``tree`` (its leaves: the stream, ``layer_input``, and the
@@ -428,6 +433,7 @@ def _far(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float | None:
     return None if difference <= _tolerance(dtype) else difference  # a NaN is far
 
 
+@sourced
 @dataclass(frozen=True, eq=False)
 class FrozenNorm:
     """A norm as the affine map it applied in one pass: ``(x - mean(x)) / scale * gain + bias`` (no centring where
@@ -661,6 +667,163 @@ def neuron_results(cache, layer: int, neuron_slice=None, pos_slice=None) -> torc
     return (neurons[..., chosen.to(neurons.device), None] * columns).movedim(-2, 0)
 
 
+# -- mixtures of experts: the router's choice, and each expert's neurons ------------------------------
+
+# what a routed block's experts receive and give, cached by run_with_cache (names=None): the tokens they read
+# [batch, seq, hidden], the experts the router chose and its weights for them [batch, seq, k], their output
+ROUTING = ("expert_input", "expert_indices", "expert_weights", "expert_output")
+
+
+def _is_standard_experts(module: nn.Module) -> bool:
+    """transformers' experts module (its class decorated by ``use_experts_implementation``): it declares its
+    weights' layout (``has_gate``, ``is_transposed``, ``has_bias``) and takes the router's choice as arguments,
+    ``experts(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``."""
+    return all(hasattr(module, name) for name in ("has_gate", "is_transposed", "has_bias", "down_proj")) and \
+        hasattr(type(module), "_apply_gate")
+
+
+def _expert_modules(model, layer: int) -> list[str]:
+    """``"path (Class)"`` of every module of block ``layer`` named or typed as experts."""
+    return [f"{path} ({type(module).__name__})" for path, module in model.layers[layer]._module.named_modules()
+            if path and "expert" in (path.rpartition(".")[2] + type(module).__name__).lower()]
+
+
+def experts_of(model, layer: int, what: str) -> tuple[str, nn.Module, dict[str, At]]:
+    """Block ``layer``'s routed experts: ``(path in the block, module, where each of ``ROUTING`` is read)``, or
+    ``AnalysisUnavailable`` with the reason (a dense block, or experts that do not take the router's choice as
+    transformers' standard experts module does)."""
+    block = model.layers[layer]._module
+    attention = model.family.attention
+    found = [(path, module) for path, module in block.named_modules()
+             if path and not (attention and path.startswith(attention.rpartition(".")[2] + "."))
+             and _is_standard_experts(module)]
+    if len(found) > 1:
+        _refuse(model, what, f"block {layer} has several sets of experts ({', '.join(path for path, _ in found)})")
+    if not found:
+        routed = _expert_modules(model, layer)
+        if not routed:
+            _refuse(model, what, f"block {layer} has no routed experts (its MLP, if any, is dense)")
+        _refuse(model, what, f"block {layer}'s experts ({routed[0]}) are not transformers' standard experts module, "
+                             "which is called with the router's choice (top_k_index, top_k_weights) and declares its "
+                             "weights' layout, so where the router's choice reaches them is not known")
+    path, module = found[0]
+    parameters = list(inspect.signature(type(module).forward).parameters)[1:4]  # after self
+    if len(parameters) < 3:
+        _refuse(model, what, f"block {layer}'s experts ({type(module).__name__}) take {parameters}, not the tokens "
+                             "and the router's choice")
+    names = ("expert_input", "expert_indices", "expert_weights")
+    locations = {name: At(path, "input", arg=k, kwarg=parameters[k]) for k, name in enumerate(names)}
+    return path, module, {**locations, "expert_output": At(path, "output")}
+
+
+def _expert_weight(module: nn.Module, name: str) -> torch.Tensor | None:
+    """An experts module's weight ``[experts, outputs, inputs]`` (transposed where its class stores it
+    ``[experts, inputs, outputs]``), or its bias ``[experts, outputs]``; float32."""
+    tensor = getattr(module, name, None)
+    if tensor is None:
+        return None
+    tensor = tensor.detach().float()
+    return tensor.transpose(1, 2) if tensor.dim() == 3 and module.is_transposed else tensor
+
+
+def expert_neuron_results(cache, layer: int, neuron_slice=None, pos_slice=None) -> tuple[torch.Tensor, list]:
+    """Each (expert, neuron)'s share of routed block ``layer``'s MLP output, ``[experts * neurons, batch, pos,
+    hidden]`` with the ``(expert, neuron)`` of each row: the router's weight of that expert for the token times
+    the neuron's activation (recomputed with the experts' own gate on the tokens they read) times its column of
+    the expert's down projection; zero on tokens not routed to it. Row ``e * neurons + n`` is expert ``e``'s
+    neuron ``n`` (``neuron_slice`` picks among those). Checked: they sum, with the experts' down-projection biases
+    weighted as the router weighs them, to the experts' output; and the MLP adds that output to the rest of its
+    own (a shared expert) unchanged, which is what its module returns with the experts' down projection zeroed."""
+    model = cache.model
+    what = "stack_neuron_results"
+    path, experts, _ = experts_of(model, layer, what)
+    label = f"block {layer}'s experts ({type(experts).__name__})"
+    if getattr(experts, "has_post_expert_norm", False):
+        _refuse(model, what, f"{label} norm each expert's output, so its neurons do not sum to it")
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    up, down = _expert_weight(experts, up_name), _expert_weight(experts, "down_proj")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3 or "meta" in (up.device.type, down.device.type):
+        _refuse(model, what, f"{label} have no {up_name} and down_proj weights loaded here, one matrix per expert")
+    up_bias = _expert_weight(experts, f"{up_name}_bias") if experts.has_bias else None
+    down_bias = _expert_weight(experts, "down_proj_bias") if experts.has_bias else None
+    x = _take(cache["expert_input", layer], pos_slice, -2).float()  # [batch, pos, features]
+    index = _take(cache["expert_indices", layer], pos_slice, -2)  # [batch, pos, k]
+    weight = _take(cache["expert_weights", layer], pos_slice, -2).float()
+    count, hidden, neurons = down.shape
+    device = x.device
+    up, down = up.to(device), down.to(device)
+    # per token and expert: the router's weight (zero where the token is not routed to it), and its neurons'
+    # activations times that weight
+    chosen = (index[..., None] == torch.arange(count, device=index.device)).to(device)  # [batch, pos, k, experts]
+    gate = (weight.to(device)[..., None] * chosen).sum(-2)  # [batch, pos, experts]
+    weighted = x.new_zeros((*x.shape[:-1], count, neurons))
+    with torch.no_grad():
+        for e in range(count):
+            routed = chosen[..., e].any(-1)  # [batch, pos]
+            if not routed.any():
+                continue
+            projected = x[routed] @ up[e].t() + (0 if up_bias is None else up_bias[e].to(device))
+            activation = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
+            weighted[routed, e] = gate[routed, e, None] * activation.float()
+    total = torch.einsum("...en,ehn->...h", weighted, down)
+    if down_bias is not None:
+        total = total + gate @ down_bias.to(device)
+    output = _take(cache["expert_output", layer], pos_slice, -2)
+    if total.shape != output.shape:
+        _refuse(model, what, f"{label} give {list(output.shape)}, their neurons {list(total.shape)}")
+    difference = _far(total, output, output.dtype)
+    if difference is not None:
+        _refuse(model, what, f"{label} do not compute, per expert, down_proj(gate(up_proj(x))) weighted by the "
+                             f"router (relative difference {difference:.2g}), so their neurons do not sum to their "
+                             "output")
+    _experts_added_unchanged(cache, layer, path, experts, label)
+    rows = _take(torch.arange(count * neurons), neuron_slice, 0).reshape(-1)
+    per_row = weighted.flatten(-2)[..., rows.to(device)]  # [batch, pos, rows]
+    columns = down.transpose(1, 2).reshape(count * neurons, hidden)[rows.to(device)]  # [rows, hidden]
+    pairs = [(int(r) // neurons, int(r) % neurons) for r in rows]
+    return (per_row[..., None] * columns).movedim(-2, 0), pairs
+
+
+def _experts_added_unchanged(cache, layer: int, path: str, experts: nn.Module, label: str) -> None:
+    """Refuse unless block ``layer``'s ``mlp_output`` is the experts' output added unchanged to the rest of the
+    module that calls them: that module, called on its cached input with the experts' down projection (and its bias)
+    zeroed, gives the rest (a shared expert, or nothing), and the rest plus the experts' output is ``mlp_output``."""
+    model = cache.model
+    what = "stack_neuron_results"
+    caller, _, name = path.rpartition(".")
+    where = {value: model.location(layer, value) for value in ("mlp_input", "mlp_output")}
+    plain = all(at.path == caller and not at.op and at.side == side and not (at.heads or at.unflatten or at.prefix
+                                                                                 or at.count or at.join)
+                for at, side in zip(where.values(), ("input", "output")))
+    if not plain:
+        _refuse(model, what, f"block {layer}'s mlp_output ({where['mlp_output'].describe()}) is not what the module "
+                             f"that calls its experts ({caller or 'the block'}) returns for mlp_input "
+                             f"({where['mlp_input'].describe()}): the block computes more with the experts' output, "
+                             "so their neurons do not sum to mlp_output")
+    module = model.layers[layer]._module.get_submodule(caller)
+    zeroed = {f"{name}.down_proj": torch.zeros_like(experts.down_proj)}
+    if experts.has_bias and getattr(experts, "down_proj_bias", None) is not None:
+        zeroed[f"{name}.down_proj_bias"] = torch.zeros_like(experts.down_proj_bias)
+    output = cache["mlp_output", layer]
+    try:
+        with torch.no_grad():
+            rest = torch.func.functional_call(module, zeroed, (cache["mlp_input", layer],))
+    except Exception as error:
+        _refuse(model, what, f"block {layer}'s {caller} ({type(module).__name__}) cannot be called on mlp_input "
+                             f"alone ({type(error).__name__}: {error}), so how it adds its experts' output is not "
+                             "checked")
+    rest = rest[where["mlp_output"].index] if isinstance(rest, (tuple, list)) else rest
+    routed = cache["expert_output", layer]
+    if rest.shape != output.shape or routed.shape != output.shape:
+        _refuse(model, what, f"{label} give {list(routed.shape)}, mlp_output is {list(output.shape)}: the MLP "
+                             "projects their output")
+    difference = _far(rest.float() + routed.float(), output, output.dtype)
+    if difference is not None:
+        _refuse(model, what, f"block {layer}'s {caller} ({type(module).__name__}) changes its experts' output before "
+                             f"it returns it (relative difference {difference:.2g}: a scale, a norm or a gate), so "
+                             "their neurons do not sum to mlp_output")
+
+
 def _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, return_labels):
     """Rows of every block before ``layer`` (TransformerLens's range), the remainder of the stream, and the norm."""
     parts = [(rows, labels) for rows, labels in per_layer if len(labels)]
@@ -699,16 +862,25 @@ def stack_neuron_results(cache, layer: int | None, pos_slice=None, neuron_slice=
                          incl_remainder: bool = False, apply_ln: bool = False):
     """Every MLP neuron's share of the stream, for the blocks before ``layer`` (-1 or None: all):
     ``[neurons, batch, pos, hidden]``, labelled ``L{i}N{n}`` (``neuron_results``); ``neuron_slice`` picks the
-    neurons of each block. A block without an MLP has none; a routed mixture of experts is refused (no single
-    activation). ``incl_remainder`` and ``apply_ln`` as in ``stack_head_results``. This is large: ``layers x
-    neurons`` rows of the stream's size."""
+    neurons of each block. A routed mixture of experts gives each expert's neurons, ``L{i}E{e}N{n}``
+    (``expert_neuron_results``: the router's weight times the activation times the down projection's column, zero
+    on tokens not routed to the expert), numbered expert by expert for ``neuron_slice`` (``e * neurons + n``); its
+    experts' biases and a shared expert are in the remainder. A block without an MLP has none. ``incl_remainder``
+    and ``apply_ln`` as in ``stack_head_results``. This is large: ``layers x neurons`` rows of the stream's size
+    (``x experts`` on a routed block)."""
     model = cache.model
-    layer = _layer(model, layer, "stack_neuron_results")
+    what = "stack_neuron_results"
+    layer = _layer(model, layer, what)
     per_layer = []
     for i in range(layer):
         if not _has(model, i, "mlp_output"):
             continue  # no MLP adds to the stream here
-        _available(model, i, "mlp_neurons", "stack_neuron_results")
+        if not _has(model, i, "mlp_neurons"):
+            if not _expert_modules(model, i):  # a dense MLP without them: its own reason
+                _available(model, i, "mlp_neurons", what)
+            rows, pairs = expert_neuron_results(cache, i, neuron_slice, pos_slice)
+            per_layer.append((rows, [f"L{i}E{e}N{n}" for e, n in pairs]))
+            continue
         chosen = _take(torch.arange(cache["mlp_neurons", i].shape[-1]), neuron_slice, 0).reshape(-1)
         per_layer.append((neuron_results(cache, i, neuron_slice, pos_slice), [f"L{i}N{int(n)}" for n in chosen]))
     return _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, return_labels)
@@ -805,7 +977,7 @@ def logit_attrs(cache, residual_stack: torch.Tensor, tokens, incorrect_tokens=No
 
 # -- what is served ---------------------------------------------------------------------------------
 
-SERVED = ("decompose_resid", "stack_head_results", "logit_attrs")
+SERVED = ("decompose_resid", "stack_head_results", "stack_neuron_results", "logit_attrs")
 
 
 def refusal(cache, analysis: str) -> str | None:
@@ -814,6 +986,7 @@ def refusal(cache, analysis: str) -> str | None:
     norm reads, a stack of one row, on token 0), so this is its own decision. The family pages list it."""
     calls = {"decompose_resid": lambda: decompose_resid(cache),
              "stack_head_results": lambda: stack_head_results(cache),
+             "stack_neuron_results": lambda: stack_neuron_results(cache, None),
              "logit_attrs": lambda: logit_attrs(cache, stream_at(cache, cache.model.num_layers)[None],
                                                 torch.tensor(0))}
     if analysis not in calls:

@@ -6,6 +6,7 @@ the catalog by name), so it means the same thing on every family.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 from nnsight.intervention.interleaver import Mediator
 
 from . import edits
+from .catalog import BY_NAME
 from .edits import Positions, skip_layers  # noqa: F401  (skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
 from .patching import activation_patching, attribution_patching  # noqa: F401  (the toolkit's API)
@@ -49,7 +51,7 @@ def _attention_mask(model) -> torch.Tensor | None:
     """Inside a trace: the batch's ``[batch, seq]`` attention mask (None: no padding), from the model's inputs.
 
     Read once per forward pass and kept on nnsight's mediator (one per invoke and trace), as
-    ``locations.leading_shape`` keeps a block's shape, so a later ``add_to`` of the pass reuses it. A pass
+    ``views.leading_shape`` keeps a block's shape, so a later ``add_to`` of the pass reuses it. A pass
     is the occurrence of the model's output a request made now asks for: the same through a generation
     step's pin and its relaxing after the step's first value.
     """
@@ -118,26 +120,108 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
     if isinstance(layers, torch.Tensor) and layers.is_floating_point() and not isinstance(vector, torch.Tensor):
         raise TypeError("steered_generate(model, prompts, layers, vector, ...): the layers come before the vector, "
                         "as in add_to(model, layers, vector); the call passed the vector first.")
-    steps = _scope_steps(scope, max_new_tokens)
-    _refuse_right_padding(model, prompts)
+    check_new_tokens(max_new_tokens, "steered_generate")
+    plan = steering_plan(model, {"layers": layers, "vector": vector, "value": value, "factor": factor, "scope": scope,
+                                 "positions": positions, "batch": batch}, max_new_tokens)
+    refuse_right_padding(model, prompts, "steered_generate")
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs["min_new_tokens"] = max_new_tokens
     with torch.no_grad(), model.generate(prompts, max_new_tokens=max_new_tokens, remote=remote,
                                          **generate_kwargs) as tracer:
         for step in tracer.iter[0:max_new_tokens]:
-            if step in steps:
-                add_to(model, layers, vector, value, factor, positions if step == 0 else None, batch)
+            for (layer, name), steerings in plan.items():  # in forward order
+                apply_steering(model, layer, name, steerings, step)
         ids = nnsight.save(tracer.result)
     return ids
 
 
-def _refuse_right_padding(model, prompts) -> None:
+# -- steering in the same pass as a readout (run_with_cache, collect) ------------------------------
+
+STEERING_KEYS = ("layers", "vector", "value", "factor", "scope", "positions", "batch")
+
+
+def steering_plan(model, steer, max_new_tokens: int | None) -> dict[tuple[int, str], list[tuple]]:
+    """``steer=`` of ``run_with_cache`` and ``collect``, checked before anything runs.
+
+    ``steer`` is one steering, a dict of ``steered_generate``'s steering arguments (``layers`` and ``vector``,
+    and optionally ``value``, ``factor``, ``scope``, ``positions``, ``batch``), or a list of them. Returns
+    ``{(layer, value): [(steps, vector, factor, positions, batch)]}`` in forward order: the steps (0 the prompt;
+    ``{0}`` without generation, ``max_new_tokens=None``) at which each vector is added to the value.
+    """
+    if steer is None:
+        return {}
+    steerings = [steer] if isinstance(steer, Mapping) else list(steer)
+    plan: dict[tuple[int, str], list[tuple]] = {}
+    for steering in steerings:
+        if not isinstance(steering, Mapping):
+            raise TypeError(f"steer is a dict of steering arguments, e.g. {{'layers': 5, 'vector': v, 'factor': 4.0}}, "
+                            f"or a list of them; not {type(steering).__name__}.")
+        unknown = sorted(set(steering) - set(STEERING_KEYS))
+        missing = [key for key in ("layers", "vector") if key not in steering]
+        if unknown or missing:
+            raise TypeError(f"A steering is a dict with 'layers' and 'vector', and optionally 'value', 'factor', "
+                            f"'scope', 'positions', 'batch' (steered_generate's arguments): "
+                            f"{f'unknown {unknown}' if unknown else f'missing {missing}'}.")
+        vector = steering["vector"]
+        if not isinstance(vector, torch.Tensor) or not vector.is_floating_point():
+            raise TypeError(f"A steering's vector is a floating-point tensor, not {type(vector).__name__}.")
+        scope = steering.get("scope", "all")
+        if max_new_tokens is None:  # one forward pass: step 0 only
+            if scope not in ("all", "prompt") and scope != range(0, 1):
+                raise ValueError(f"scope={scope!r} steers generated steps, and this call generates nothing: pass "
+                                 "max_new_tokens=N to generate, or leave scope out.")
+            steps = {0}
+        else:
+            steps = _scope_steps(scope, max_new_tokens)
+        name = value_name(steering.get("value", "layer_output"))
+        positions = steering.get("positions")
+        if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
+            raise TypeError("A steering's positions are token positions (ints or a slice), not a boolean mask.")
+        for layer in layer_indices(model, steering["layers"]):
+            model.location(layer, name)  # unavailable on the block: refused before anything runs
+            plan.setdefault((layer, name), []).append(
+                (steps, vector, steering.get("factor", 1.0), positions, steering.get("batch")))
+    order = {layer: model.order(layer, aliases=True) for layer, _ in plan}
+    return dict(sorted(plan.items(), key=lambda item: (item[0][0], order[item[0][0]][BY_NAME[item[0][1]].key])))
+
+
+def prepare_steering(model, plan: dict, step: int) -> None:
+    """Inside a trace, first in a pass that reads values before it steers: read the attention mask the
+    positions of step 0's steering are found with (``add_to`` reads it from the model's inputs, which come first)."""
+    if step == 0 and any(positions is not None for steerings in plan.values() for _, _, _, positions, _ in steerings):
+        _attention_mask(model)
+
+
+def apply_steering(model, layer: int, name: str, steerings: list[tuple], step: int) -> None:
+    """Inside a trace at generation step ``step``: ``steering_plan``'s additions to value ``name`` of block ``layer``,
+    before the value is read (an in-place add: a read of the same value afterwards sees it steered)."""
+    for steps, vector, factor, positions, batch in steerings:
+        if step in steps:  # positions are the prompt's tokens: a generated step has its one new position
+            add_to(model, layer, vector, name, factor, positions if step == 0 else None, batch)
+
+
+def steering_identity(plan: dict) -> list:
+    """What a steering plan adds, as JSON data (a digest of each vector): a collection's settings record it."""
+    def digest(vector):
+        data = vector.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return f"{vector.dtype} {tuple(vector.shape)} " + hashlib.sha256(data).hexdigest()[:24]
+    return [[layer, name, sorted(steps), digest(vector), float(factor), repr(positions), repr(batch)]
+            for (layer, name), steerings in plan.items() for steps, vector, factor, positions, batch in steerings]
+
+
+def check_new_tokens(max_new_tokens, caller: str) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{caller}: max_new_tokens is the number of tokens to generate, an int of at least 1; "
+                         f"got {max_new_tokens!r}.")
+
+
+def refuse_right_padding(model, prompts, caller: str = "steered_generate") -> None:
     """A batch whose shorter prompts end in padding would generate after it: refused."""
     mask = prompts.get("attention_mask") if isinstance(prompts, Mapping) else None
     if mask is None and isinstance(prompts, (list, tuple)) and all(isinstance(p, str) for p in prompts):
         mask = model.tokenizer(list(prompts), return_tensors="pt", padding=True).attention_mask
     if mask is not None and not bool(torch.as_tensor(mask)[:, -1].all()):
-        raise ValueError("steered_generate: this batch of prompts is right-padded, so its shorter prompts would "
+        raise ValueError(f"{caller}: this batch of prompts is right-padded, so its shorter prompts would "
                          "continue after their padding. Pad on the left (model.tokenizer.padding_side = 'left', "
                          "nnsight's default for decoders) or generate one prompt at a time.")
 

@@ -240,7 +240,6 @@ REFUSED = {
     "a gate on the carried stream": ("doge", lambda c: c.decompose_resid(), r"Doge: block 0's identity, .*post_attention_residual"),
     "a norm after the attention": ("gemma2", lambda c: c.stack_head_results(),
                                    r"Gemma-2: block 0's attention_output is not its projection self_attn.o_proj's output"),
-    "a routed MLP": ("mixtral", lambda c: c.stack_neuron_results(None), r"Mixtral: block 0's mlp.mlp_neurons.*routed mixture"),
     "no norm before the attention": ("olmo2", lambda c: c.apply_ln_to_stack(c.decompose_resid(layer=1), layer=1),
                                      r"OLMo-2: block 1 has no attention norm to freeze \(no norm before the attention"),
     "no stream before a parallel MLP": ("gptj", lambda c: c.decompose_resid(layer=1, mlp_input=True),
