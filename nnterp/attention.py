@@ -19,10 +19,12 @@ from torch import nn
 from .catalog import ATTENTION_INTERNALS
 from .errors import ValueUnavailable
 from .locations import At, Unavailable
+from .sourced import sourced
 
 IMPLEMENTATION = "eager"
 
 
+@sourced
 @dataclass(frozen=True)
 class EagerAttention:
     """Where a family's eager attention computes its internals, as nnsight ``.source`` operation names.
@@ -51,6 +53,7 @@ class EagerAttention:
         }
 
 
+@sourced
 @dataclass(frozen=True)
 class OwnCode(EagerAttention):
     """An attention that computes in its own code, outside transformers' attention interface: each internal

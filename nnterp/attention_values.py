@@ -7,6 +7,7 @@ from nnsight.modeling.transformers import TransformersModel
 from torch._guards import detect_fake_mode
 
 from . import attention, inputs, proof
+from .engine import WrappedModel
 from .errors import ValueUnavailable
 from .locations import Unavailable
 
@@ -14,7 +15,7 @@ from .locations import Unavailable
 class AttentionValues:
     """Turning the attention values on and off, and the traces that run eager attention while they are on."""
 
-    def enable_attention_values(self) -> None:
+    def enable_attention_values(self: WrappedModel) -> None:
         """Serve queries, keys, values, scores and probabilities: this wrapper's traces run transformers'
         eager attention (slower than sdpa). The model itself is left as it is: another wrapper of it, or
         the bare model, runs its own implementation."""
@@ -33,12 +34,12 @@ class AttentionValues:
         self._nnterp_attention_on = True
         self._place_values()
 
-    def disable_attention_values(self) -> None:
+    def disable_attention_values(self: WrappedModel) -> None:
         """Back to the model's own attention implementation in this wrapper's traces."""
         self._nnterp_attention_on = False
         self._place_values()
 
-    def interleave(self, fn, *args, **kwargs):
+    def interleave(self: WrappedModel, fn, *args, **kwargs):
         """Every trace of this wrapper runs with eager attention while the attention values are on, and
         hands the model back with the implementation it had."""
         if not self.dispatched and detect_fake_mode() is None:  # the weights first: dispatch swaps the module

@@ -1,7 +1,8 @@
 """The standard values: declared once, here.
 
-Everything else (envoy properties, ``order(i)``, availability listings, docs, tests)
-is derived from this table and the family specs. ``rank`` is the forward order on a
+Everything else (envoy properties, ``order(i)``, availability listings, the shapes the proof
+expects, the streams the lens and the identity read, docs, tests) is derived from this table and
+the family specs: a value's shape is its ``dims``, named in ``DIMS``. ``rank`` is the forward order on a
 sequential pre-norm block; ``StandardizedTransformer.order`` reports the order a
 family really runs in.
 """
@@ -11,14 +12,43 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from .sourced import sourced
 
+# the dimensions a value's shape names (``Value.dims``): what each counts
+DIMS: dict[str, str] = {
+    "batch": "the prompts",
+    "seq": "the positions",
+    "query": "the positions that attend",
+    "key": "the positions attended to",
+    "hidden_size": "the stream's width",
+    "num_heads": "the query heads",
+    "num_key_value_heads": "the key and value heads",
+    "head_dim": "a head's width",
+    "intermediate_size": "the MLP's width",
+}
+STREAM_DIMS = ("batch", "seq", "hidden_size")
+PER_HEAD = ("batch", "seq", "num_heads", "head_dim")
+PER_KV_HEAD = ("batch", "seq", "num_key_value_heads", "head_dim")
+PATTERN = ("batch", "num_heads", "query", "key")
+NEURONS = ("batch", "seq", "intermediate_size")
+
+
+@sourced
 @dataclass(frozen=True)
 class Value:
     name: str
     owner: str  # "block", "self_attn" or "mlp": the envoy the property lives on
-    shape: str
+    dims: tuple[str, ...]  # its shape, by dimension name (``DIMS``)
     rank: int
     meaning: str
+    # its place in the residual identity: "input", "mid", "output" (the stream entering the block, after the token
+    # mixer's add, leaving it) or "added" (what a sublayer adds to it); None: neither
+    residual: str | None = None
+
+    @property
+    def shape(self) -> str:
+        """Its shape as the docs show it: ``[batch, seq, hidden_size]``."""
+        return f"[{', '.join(self.dims)}]"
 
     @property
     def key(self) -> str:
@@ -27,42 +57,49 @@ class Value:
 
 
 CATALOG: tuple[Value, ...] = (
-    Value("layer_input", "block", "[batch, seq, hidden_size]", 0, "the residual stream entering the block"),
-    Value("attention_norm_output", "block", "[batch, seq, hidden_size]", 1,
+    Value("layer_input", "block", STREAM_DIMS, 0, "the residual stream entering the block", "input"),
+    Value("attention_norm_output", "block", STREAM_DIMS, 1,
           "the normed stream the attention reads (the token mixer, on a hybrid's other blocks)"),
-    Value("queries", "self_attn", "[batch, seq, num_heads, head_dim]", 2,
+    Value("queries", "self_attn", PER_HEAD, 2,
           "the queries as the attention uses them (after q norms and rotary embeddings)"),
-    Value("keys", "self_attn", "[batch, seq, num_key_value_heads, head_dim]", 2,
+    Value("keys", "self_attn", PER_KV_HEAD, 2,
           "the keys as the attention uses them (after k norms and rotary embeddings)"),
-    Value("values", "self_attn", "[batch, seq, num_key_value_heads, head_dim]", 2, "the values the heads mix"),
-    Value("attention_scores", "self_attn", "[batch, num_heads, query, key]", 3,
-          "the scores before the softmax: scaled, softcapped, masked"),
-    Value("attention_probabilities", "self_attn", "[batch, num_heads, query, key]", 4,
-          "the attention pattern, after the softmax"),
-    Value("attention_premix", "self_attn", "[batch, seq, num_heads, head_dim]", 5,
-          "every head's output before the output projection"),
-    Value("attention_output", "self_attn", "[batch, seq, hidden_size]", 6, "what the attention adds to the stream"),
-    Value("mixer_output", "block", "[batch, seq, hidden_size]", 6,
-          "what the block's token mixer (attention, Mamba, linear attention or convolution) adds to the stream"),
-    Value("layer_mid", "block", "[batch, seq, hidden_size]", 7, "the stream after the token mixer's add"),
-    Value("mlp_norm_output", "block", "[batch, seq, hidden_size]", 8, "the output of the norm before the MLP"),
-    Value("mlp_input", "block", "[batch, seq, hidden_size]", 9, "what the MLP is called with"),
-    Value("mlp_activation", "mlp", "[batch, seq, intermediate_size]", 10, "the output of the MLP's activation function"),
-    Value("mlp_neurons", "mlp", "[batch, seq, intermediate_size]", 11, "what the down projection sums"),
-    Value("mlp_output", "mlp", "[batch, seq, hidden_size]", 12, "what the MLP adds to the stream"),
-    Value("layer_output", "block", "[batch, seq, hidden_size]", 13, "the residual stream leaving the block"),
+    Value("values", "self_attn", PER_KV_HEAD, 2, "the values the heads mix"),
+    Value("attention_scores", "self_attn", PATTERN, 3, "the scores before the softmax: scaled, softcapped, masked"),
+    Value("attention_probabilities", "self_attn", PATTERN, 4, "the attention pattern, after the softmax"),
+    Value("attention_premix", "self_attn", PER_HEAD, 5, "every head's output before the output projection"),
+    Value("attention_output", "self_attn", STREAM_DIMS, 6, "what the attention adds to the stream", "added"),
+    Value("mixer_output", "block", STREAM_DIMS, 6,
+          "what the block's token mixer (attention, Mamba, linear attention or convolution) adds to the stream",
+          "added"),
+    Value("layer_mid", "block", STREAM_DIMS, 7, "the stream after the token mixer's add", "mid"),
+    Value("mlp_norm_output", "block", STREAM_DIMS, 8, "the output of the norm before the MLP"),
+    Value("mlp_input", "block", STREAM_DIMS, 9, "what the MLP is called with"),
+    Value("mlp_activation", "mlp", NEURONS, 10, "the output of the MLP's activation function"),
+    Value("mlp_neurons", "mlp", NEURONS, 11, "what the down projection sums"),
+    Value("mlp_output", "mlp", STREAM_DIMS, 12, "what the MLP adds to the stream", "added"),
+    Value("layer_output", "block", STREAM_DIMS, 13, "the residual stream leaving the block", "output"),
 )
-# Values inside the attention computation: read inside the model's eager attention when they are on.
-ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
-# The values of a block's attention: unavailable together on a hybrid's blocks that mix tokens otherwise.
-ATTENTION_VALUES = (*ATTENTION_INTERNALS, "attention_premix", "attention_output")
-
 BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}
 OWNERS = ("block", "self_attn", "mlp")
 
 
 def values_of(owner: str) -> tuple[Value, ...]:
     return tuple(v for v in CATALOG if v.owner == owner)
+
+
+def _named(residual: tuple[str | None, ...]) -> tuple[str, ...]:
+    return tuple(v.name for v in CATALOG if v.residual in residual)
+
+
+# The residual stream itself, and what the sublayers add to it (the logit lens reads either).
+STREAM, ADDED = _named(("input", "mid", "output")), _named(("added",))
+# The terms of the residual identity: the stream entering the block, what is added, the stream leaving it.
+IDENTITY_TERMS = _named(("input", "added", "output"))
+# Values inside the attention computation: read inside the model's eager attention when they are on.
+ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
+# The values of a block's attention: unavailable together on a hybrid's blocks that mix tokens otherwise.
+ATTENTION_VALUES = tuple(v.name for v in values_of("self_attn"))
 
 
 # TransformerLens's hook names (``blocks.i.<name>``, with or without ``hook_``) -> the nearest standard value, for

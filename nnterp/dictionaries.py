@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +38,11 @@ TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "r_mag", "b_mag", "c
 
 class DictionaryError(NNterpError, ValueError):
     """A dictionary that cannot be read, or cannot be used where it was asked to be; the message says why."""
+
+
+# readers of dictionary folders of kinds another module defines, which that module adds here when it is imported
+# (nnterp.tuned_lens, imported by the package: its lens is read by its own code, and imports this module)
+FOLDER_KINDS: dict[str, Callable] = {}
 
 
 class Dictionary:
@@ -376,7 +382,7 @@ def load_dictionary(name: str | os.PathLike, *, folder: str | None = None, site:
     elif (path / "ae.pt").is_file():
         dictionary = _read_dictionary_learning(path)
     elif (path / "params.pt").is_file() and (path / "config.json").is_file():
-        return _tuned_lens_translator(path, site, out_site, device, dtype)
+        return FOLDER_KINDS["tuned_lens"](path, site, out_site, device, dtype)
     else:
         inside = sorted(p.name for p in path.iterdir())[:12]
         several = [p for p in inside if (path / p / "cfg.json").is_file() or (path / p / "ae.pt").is_file()]
@@ -489,18 +495,6 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
         center=b_dec if cfg.get("apply_b_dec_to_input", True) and not transcoder else None,
         W_skip=weights.get("W_skip"), site=site, out_site=out_site, transcoder=transcoder, hook=hook,
         out_hook=out_hook, site_reason=reason, format="saelens", architecture=architecture, config=cfg)
-
-
-def _tuned_lens_translator(path: Path, site, out_site, device, dtype) -> Dictionary:
-    from .tuned_lens import load_tuned_lens  # it reads its files with this module's errors
-
-    if site is None or out_site is not None:
-        raise DictionaryError(
-            f"{path} is a tuned lens: one translator per layer, each reading the stream entering its block. Say "
-            "which: load_dictionary(path, site=(layer, 'layer_input')); load_tuned_lens(path).dictionaries() gives "
-            "them all (for collect), load_tuned_lens(path) the lens (for logit_lens(..., lens=...)).")
-    layer, value = _checked_site(site)
-    return load_tuned_lens(path, device=device, dtype=dtype).dictionary(layer, value)
 
 
 def _read_sparsify(path: Path) -> Dictionary:

@@ -378,7 +378,7 @@ def coverage_page() -> str:
              f"transformers {transformers.__version__} has {len(types)} causal language model types "
              f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`). nnterp serves **{len(served)}**, each proven on a miniature "
              f"of its config; the other **{len(excluded)}** are below, each with the reason. A type that a new "
-             "transformers adds fails the test suite until it is served or classified (`nnterp/coverage.py`); "
+             "transformers adds fails the test suite until it is served or classified (`nnterp/families/unserved.py`); "
              "[`register_family`](guide/custom-architecture.md) serves one yourself.", "",
              "| | model types |", "|---|---|", f"| served | {len(served)} |"]
     lines += [f"| {category} | {sum(EXCLUDED[t][0] == category for t in excluded)} |" for category in CATEGORIES]

@@ -11,22 +11,101 @@ explicit base calls, pure tensor steps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
 from . import attention
 from .catalog import value_named
 from .errors import NNterpError, RunNotChosen, ValueUnavailable
-from .families import Block
-from .locations import At, Unavailable, leading_shape, token_count
+from .families import Block, Family
+from .locations import At, Unavailable
+from .views import View
+
+
+class WrappedModel(Protocol):
+    """What the engine and the mixins of ``StandardizedTransformer`` use of the wrapped model, for the type checker
+    (mixin methods take ``self: WrappedModel``): nnsight's ``TransformersModel`` members, the attributes the class
+    sets, and the methods one mixin calls of another. Never instantiated; it sits beside the engine classes it names,
+    since a module of its own would close an import circle with them. A member the class holds read-only, or with a
+    narrower type, is a property here."""
+
+    # nnsight's TransformersModel: the transformers model it wraps, and envoys
+    _module: Any
+    tokenizer: Any
+    layers: Any  # the blocks' envoys: nnsight's block list, or StackedLayers
+    ln_final: Any
+    lm_head: Any
+    dispatched: bool
+
+    @property
+    def inputs(self) -> Any: ...
+
+    @property
+    def output(self) -> Any: ...
+
+    def dispatch(self) -> None: ...
+
+    # set by StandardizedTransformer
+    _nnterp_text_config: Any  # a transformers PretrainedConfig
+    _nnterp_block_paths: tuple[str, ...]
+    _nnterp_structure: tuple[Block, ...]
+    _nnterp_attention_on: bool
+    _nnterp_validate: bool
+    _nnterp_warned_hooks: set
+    _nnterp_slots: tuple[Slot, ...]
+    _nnterp_run_slots: dict[tuple[int, int], Slot]
+    _forward_events: dict[tuple[str, str], int]
+
+    @property
+    def _nnterp_class(self) -> type: ...
+
+    @property
+    def family(self) -> Family: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def runs_of(self, layer: int) -> int: ...
+
+    def num_heads_of(self, layer: int) -> int | None: ...
+
+    # the engine (Values)
+    _nnterp_blocks: tuple[Block, ...]
+    _nnterp_sourced: tuple[str, ...]
+    _nnterp_pass: PassPreparation | None
+
+    def _place_values(self) -> None: ...
+
+    def _unbind(self) -> None: ...
+
+    def block_spec(self, layer: int) -> Block: ...
+
+    def block_path(self, layer: int, path: str = "") -> str: ...
+
+    def location(self, layer: int, name: str) -> At: ...
+
+    def run_slot(self, layer: int, run: int) -> Slot: ...
+
+    def _slot(self, layer: int, run: int | None) -> Slot: ...
+
+    # the order (ValueOrder) and the readout (Readout)
+    def timeline(self, layer: int) -> list[tuple[tuple[int, ...], str, At]]: ...
+
+    def _event_index(self, name: str, side: str, key: str) -> int: ...
+
+    @property
+    def logits(self) -> torch.Tensor: ...
+
+    def refuse_unreadable_stream(self) -> None: ...
 
 
 class Values:
     """The placed values of a wrapped model (a mixin of ``StandardizedTransformer``): each block's spec with the
     attention internals as they are on or off, the blocks' slots, and reads and writes by layer and name."""
 
-    def _place_values(self) -> None:
+    def _place_values(self: WrappedModel) -> None:
         """Every block's values (the attention internals as they are on or off), the modules read through
         ``.source``, which each pass instruments before its first value, and the slots' values unbound (bound
         again on first use)."""
@@ -43,23 +122,23 @@ class Values:
                                              if isinstance(location, At) and location.op}))
         self._unbind()
 
-    def _unbind(self) -> None:
+    def _unbind(self: WrappedModel) -> None:
         """Forget every bound value: the blocks' places changed (the attention values turned on or off, a test's
         spec swapped in) or the envoys stand for other modules (the weights dispatched)."""
         self._nnterp_pass = preparation(self, self._nnterp_blocks, self._nnterp_sourced)
         for slot in (*self._nnterp_slots, *self._nnterp_run_slots.values()):
             slot.values.clear()
 
-    def block_spec(self, layer: int) -> Block:
+    def block_spec(self: WrappedModel, layer: int) -> Block:
         if not -self.num_layers <= layer < self.num_layers:
             raise IndexError(f"Layer {layer} is out of range: the model has {self.num_layers} layers (0 to {self.num_layers - 1}).")
         return self._nnterp_blocks[layer]
 
-    def block_path(self, layer: int, path: str = "") -> str:
+    def block_path(self: WrappedModel, layer: int, path: str = "") -> str:
         """The native module name of ``path`` (relative to block ``layer``) in the HF model."""
         return ".".join(filter(None, (self._nnterp_block_paths[layer % self.num_layers], path)))
 
-    def location(self, layer: int, name: str) -> At:
+    def location(self: WrappedModel, layer: int, name: str) -> At:
         """Where value ``name`` of block ``layer`` is read; ``ValueUnavailable`` where it has no meaning."""
         value = value_named(name)
         location = self.block_spec(layer).resolve(value.name)
@@ -67,7 +146,7 @@ class Values:
             raise ValueUnavailable(value.key, self.family.name, location.reason)
         return location
 
-    def run_slot(self, layer: int, run: int) -> Slot:
+    def run_slot(self: WrappedModel, layer: int, run: int) -> Slot:
         """The slot of run ``run`` of block ``layer``; an ``IndexError`` names the runs the block has."""
         runs = self.runs_of(layer)
         if not 0 <= run < runs:
@@ -79,23 +158,23 @@ class Values:
             slot = self._nnterp_run_slots[(layer, run)] = Slot(self, layer, run)
         return slot
 
-    def _slot(self, layer: int, run: int | None) -> Slot:
+    def _slot(self: WrappedModel, layer: int, run: int | None) -> Slot:
         if run is None:
             self.block_spec(layer)  # an out-of-range layer says so
             return self._nnterp_slots[layer % self.num_layers]
         return self.run_slot(layer, run)
 
-    def read_value(self, layer: int, name: str, run: int | None = None):
+    def read_value(self: WrappedModel, layer: int, name: str, run: int | None = None):
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives), at run
         ``run`` of a block that runs several times per pass (``model.layers[layer].run(run).<name>``)."""
         return self._slot(layer, run).value(name).read()
 
-    def write_value(self, layer: int, name: str, value, run: int | None = None) -> None:
+    def write_value(self: WrappedModel, layer: int, name: str, value, run: int | None = None) -> None:
         """Inside a trace: replace value ``name`` of block ``layer`` (``model.layers[layer].<name> = value``), at
         run ``run`` of a block that runs several times per pass."""
         self._slot(layer, run).value(name).write(value)
 
-    def read_at(self, layer: int, location: At, key: str | None = None, run: int | None = None):
+    def read_at(self: WrappedModel, layer: int, location: At, key: str | None = None, run: int | None = None):
         """Inside a trace: the tensor at ``location`` of block ``layer`` (at run ``run`` of a looped block)."""
         if run is not None:
             self.run_slot(layer, run)  # an out-of-range run says so
@@ -105,7 +184,7 @@ class Values:
 class Slot:
     """A block of a wrapped model, or run ``run`` of a looped block: its label, and its bound values."""
 
-    def __init__(self, model: Any, layer: int, run: int | None = None):
+    def __init__(self, model: WrappedModel, layer: int, run: int | None = None):
         self.model, self.layer, self.run = model, layer, run  # run None: the block's only run (or not chosen)
         self.values: dict[str, BoundValue] = {}
 
@@ -128,11 +207,12 @@ class Slot:
 class BoundValue:
     """One value of one block (or of one run of a looped block), bound to where it is read."""
 
-    def __init__(self, model: Any, layer: int, run: int | None, key: str, location: At):
+    def __init__(self, model: WrappedModel, layer: int, run: int | None, key: str, location: At):
         self.model, self.layer, self.run, self.key, self.location = model, layer, run, key, location
         self.block = model.layers[layer]
-        # an operation inside a forward is looked up on each read: nnsight instruments ``.source`` per pass
-        self.envoy = None if location.op else location.envoy(self.block)
+        # an operation inside a forward is looked up on each read: nnsight instruments ``.source`` per pass (None);
+        # a plain value's envoy is always set
+        self.envoy: Any = None if location.op else location.envoy(self.block)
         self.heads = model.num_heads_of(layer)
         runs = model.runs_of(layer)
         self.unchosen = run is None and runs > 1  # a looped block's value is read at a run
@@ -168,10 +248,11 @@ class BoundValue:
         """Inside a trace: replace this value by ``value`` (checked for shape, dtype and device)."""
         if self.prepare is not None:
             self.prepare.begin(self.block)
-        self._step(lambda: self.location.write(self.block, value, self.heads, self.key, self.envoy))
+        # None heads (a model without attention) reach only views that do not split by them: At annotates them int
+        self._step(lambda: self.location.write(self.block, value, self.heads, self.key, self.envoy))  # type: ignore[arg-type]
 
     def _view(self):
-        return self.location.read(self.block, self.heads, self.envoy)
+        return self.location.read(self.block, self.heads, self.envoy)  # type: ignore[arg-type]  # as in write
 
     def _step(self, step):
         """``step()`` at this value's run, with nnsight's ordering error in the standard names."""
@@ -218,16 +299,15 @@ class BoundValue:
 class PassPreparation:
     """What a forward pass prepares before its first value (per invoke and generation step), where a model's
     values need it: the modules read through ``.source`` instrumented (nnsight instruments a module when it is
-    first asked, for the calls that start after that: a fresh server model included); the stream's ``[batch,
-    seq]`` read where a block flattens it, or how many positions are tokens where the model pads it after them;
-    a pass given a filled cache refused where the model prepends positions that are not tokens."""
+    first asked, for the calls that start after that: a fresh server model included), and what the views in use
+    read before a block's first value (``View.prepare``: the stream's ``[batch, seq]`` where a block flattens it,
+    how many positions are tokens where the model pads it, no filled cache where it prepends positions)."""
 
-    def __init__(self, model: Any, sourced: tuple[str, ...], flattens: bool, counted: str, prefixed: bool):
-        self.model, self.sourced, self.flattens, self.counted, self.prefixed = model, sourced, flattens, counted, prefixed
+    def __init__(self, model: WrappedModel, sourced: tuple[str, ...], views: tuple[View, ...]):
+        self.model, self.sourced, self.views = model, sourced, views
 
     def __repr__(self) -> str:
-        return f"PassPreparation(sourced={list(self.sourced)}, flattens={self.flattens}, counted={self.counted!r}, " \
-               f"prefixed={self.prefixed})"
+        return f"PassPreparation(sourced={list(self.sourced)}, views={list(self.views)})"
 
     def begin(self, block) -> None:
         if self.sourced:
@@ -236,43 +316,23 @@ class PassPreparation:
                 for path in self.sourced:
                     envoy_at(self.model, path).source  # noqa: B018 - the access instruments the module
                 mediator._nnterp_sourced = True
-        if self.flattens:
-            leading_shape(block)
-        if self.counted:
-            token_count(block, self.counted)
-        if self.prefixed:
-            self.refuse_a_cached_pass()
-
-    def refuse_a_cached_pass(self) -> None:
-        """A model that prepends positions to the tokens does so fully only on a pass without a cache: given a
-        filled one, its stream holds other positions, which the values' view cannot tell apart. Read from the
-        model's own inputs, the first event of each pass (per invoke and generation step)."""
-        mediator = Mediator.current("a standard value")
-        checked = mediator.__dict__.setdefault("_nnterp_uncached", set())
-        if mediator.iteration in checked:
-            return
-        _, kwargs = self.model.inputs
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
-        if cache is not None and getattr(cache, "get_seq_length", lambda: 0)() > 0:
-            raise ValueError(
-                f"{self.model.family.name} prepends its prompt positions to the stream in full only on a pass without a "
-                "cache, "
-                "so the values of a pass given a filled one (a generation's later steps too) cannot be told apart "
-                "from them: trace the whole sequence without past_key_values."
-            )
-        checked.add(mediator.iteration)
+        for view in self.views:
+            view.prepare(block, self.model)
 
 
-def preparation(model: Any, blocks, sourced: tuple[str, ...]) -> PassPreparation | None:
-    """The preparation a pass needs before the values of ``blocks`` (the placed block specs), or None."""
-    def in_use(view: str):  # the view as the first value of some block read through it sets it
-        return next((getattr(location, view) for block in blocks for location in block.values.values()
-                     if isinstance(location, At) and getattr(location, view)), None)
-
-    flattens, counted, prefixed = bool(in_use("unflatten")), in_use("count") or "", bool(in_use("prefix"))
-    if not (sourced or flattens or counted or prefixed):
+def preparation(model: WrappedModel, blocks, sourced: tuple[str, ...]) -> PassPreparation | None:
+    """The preparation a pass needs before the values of ``blocks`` (the placed block specs), or None: each kind of
+    view that prepares, as the first value read through it sets it."""
+    views: dict[type, View] = {}
+    for block in blocks:
+        for location in block.values.values():
+            if isinstance(location, At):
+                for view in location.views:
+                    if view.prepares:
+                        views.setdefault(type(view), view)
+    if not (sourced or views):
         return None
-    return PassPreparation(model, sourced, flattens, counted, prefixed)
+    return PassPreparation(model, sourced, tuple(views.values()))
 
 
 def envoy_at(model: Any, path: str):

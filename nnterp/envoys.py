@@ -8,7 +8,7 @@ a value is read or written through the slot's bound value (``Slot.value(name)``)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 from greenlet import getcurrent
@@ -35,7 +35,12 @@ class StandardValue:
         self.name = name
         self.__doc__ = f"{BY_NAME[name].meaning}, {BY_NAME[name].shape}."
 
-    def __get__(self, envoy, owner=None) -> torch.Tensor:
+    # on the class, the descriptor; on an envoy, the value's tensor inside a trace (outside one, where it is read)
+    @overload
+    def __get__(self, envoy: None, owner: type | None = None) -> StandardValue: ...
+    @overload
+    def __get__(self, envoy: object, owner: type | None = None) -> torch.Tensor: ...
+    def __get__(self, envoy, owner=None) -> Any:
         if envoy is None:
             return self
         slot = envoy._nnterp_slot
@@ -75,7 +80,7 @@ class StandardEnvoy(Envoy):
             return Envoy.__getattr__(self, name)  # explicit: the class travels by value, without a __class__ cell
         except AttributeError as error:
             guess = suggestion(name) if slot is not None and not name.startswith("_") else None
-            if guess is None:
+            if guess is None or slot is None:
                 raise
             where = slot.label() + ("" if guess.owner == "block" else f".{guess.owner}")
             raise AttributeError(f"{error} Did you mean `model.{where}.{guess.name}`?") from None
@@ -176,7 +181,10 @@ _AttentionRun = _run_class("AttentionRun", AttentionEnvoy, "The attention of one
 _MLPRun = _run_class("MLPRun", MLPEnvoy, "The MLP of one run of a looped block.")
 
 
-class BlockRun(_run_class("_BlockValues", BlockEnvoy, "")):
+_BlockValues: Any = _run_class("_BlockValues", BlockEnvoy, "")  # built at import: its values are unknown to the checker
+
+
+class BlockRun(_BlockValues):
     """One run of a looped block: ``model.layers[i].run(k)``. Its standard values are read and assigned like a
     block's, at that run; ``self_attn`` and ``mlp`` give the values inside the sublayers at that run. The native
     modules are the block's, ``model.layers[i]``, and nnsight reads their first run."""

@@ -146,7 +146,7 @@ def infer_family(config: PretrainedConfig, architecture: type | None = None, *, 
     """A proven spec for ``config``'s decoder, inferred from its module tree; ``UnknownArchitecture`` if none holds."""
     from transformers import AutoModelForCausalLM  # its first use reads transformers' model folders: not at import
 
-    from . import families, proof
+    from . import proof
     from .registry import _placeholder_tokenizer, _wrapper
 
     architecture = architecture or AutoModelForCausalLM._model_mapping.get(type(config), None)
@@ -173,15 +173,7 @@ def infer_family(config: PretrainedConfig, architecture: type | None = None, *, 
     for description, block in candidates:
         family = Family(name=label, model_types=(config.model_type,), **where, attention=shape["attention"],
                         mlp=shape["mlp"], block=block, tiny_config=lambda: copy.deepcopy(config))
-        previous = families.BY_MODEL_TYPE.get(config.model_type)
-        families.BY_MODEL_TYPE[config.model_type] = family
-        try:
-            problems, _ = proof.prove(config, architecture, _placeholder_tokenizer(), _wrapper())
-        finally:
-            if previous is None:
-                families.BY_MODEL_TYPE.pop(config.model_type)
-            else:
-                families.BY_MODEL_TYPE[config.model_type] = previous
+        problems, _ = proof.prove(config, architecture, _placeholder_tokenizer(), _wrapper(), family=family)
         if not problems:
             return family
         failures.append(f"{description}: {problems[0]}")

@@ -5,10 +5,14 @@ say ``cannot reshape tensor of 0 elements`` or ``index out of range in self`` fr
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import NNterpError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class BadInput(NNterpError, ValueError):
@@ -29,7 +33,7 @@ def refuse_empty(inputs: tuple) -> None:
         raise BadInput("The prompt list (or token tensor) is empty: pass at least one prompt or one token.")
 
 
-def position_limit(model: torch.nn.Module) -> int | None:
+def position_limit(model: PreTrainedModel) -> int | None:
     """How many positions the model's learned position table holds (GPT-2's ``wpe``, OPT's ``embed_positions``), or
     None where positions are not looked up in a table (rotary, ALiBi): those run at any length."""
     config = model.config.get_text_config()
@@ -43,7 +47,7 @@ def position_limit(model: torch.nn.Module) -> int | None:
     return limit if any(limit <= table.num_embeddings <= limit + 2 for table in tables) else None
 
 
-def check_batch(model: torch.nn.Module, kwargs: dict, limit: int | None) -> None:
+def check_batch(model: PreTrainedModel, kwargs: dict, limit: int | None) -> None:
     """Refuse a batched forward input that would fail inside the model."""
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.device.type == "meta":

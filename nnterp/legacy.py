@@ -1,7 +1,8 @@
 """nnterp 1.x names on ``StandardizedTransformer``, kept working: each warns once per call site with a
 ``DeprecationWarning`` naming the new spelling.
 
-The core does not import this module: ``nnterp/__init__.py`` installs it onto the class. The 1.x
+``LegacyNames`` holds the 1.x names of the model, written against its public API, and ``legacy_arguments``
+translates 1.x constructor arguments; ``install`` gives both to a class that does not inherit the mixin. The 1.x
 module paths (``nnterp.nnsight_utils``, ``nnterp.rename_utils``, ``nnterp.utils``, ``nnterp.display``,
 ``nnterp.prompt_utils``, the 1.x names in ``nnterp.interventions``) build on it. Where 1.x was wrong,
 the correct value is kept (``docs/migrating.md`` lists the differences).
@@ -95,133 +96,154 @@ class AttentionInputs(ModuleList):
         ModuleList.__getitem__(self, layer).input = value
 
 
-LEGACY_VALUE_LISTS = {"layers_input": "layer_input", "layers_output": "layer_output",
-                      "attentions_output": "attention_output", "mlps_input": "mlp_input", "mlps_output": "mlp_output"}
+class LegacyNames:
+    """nnterp 1.x's names on the model, each an adapter over today's API that warns with the new spelling (a mixin
+    of ``StandardizedTransformer``; plain methods and explicit calls: the class travels by value to remote servers)."""
+
+    @property
+    def layers_input(self) -> ValueList:
+        """1.x name: ``layers_input[i]`` is the standard ``layer_input``."""
+        deprecated("model.layers_input[i]", "model.layers[i].layer_input")
+        return ValueList(self, "layer_input")
+
+    @property
+    def layers_output(self) -> ValueList:
+        """1.x name: ``layers_output[i]`` is the standard ``layer_output``."""
+        deprecated("model.layers_output[i]", "model.layers[i].layer_output")
+        return ValueList(self, "layer_output")
+
+    @property
+    def attentions_output(self) -> ValueList:
+        """1.x name: ``attentions_output[i]`` is the standard ``attention_output``."""
+        deprecated("model.attentions_output[i]", "model.layers[i].self_attn.attention_output")
+        return ValueList(self, "attention_output")
+
+    @property
+    def mlps_input(self) -> ValueList:
+        """1.x name: ``mlps_input[i]`` is the standard ``mlp_input``."""
+        deprecated("model.mlps_input[i]", "model.layers[i].mlp_input")
+        return ValueList(self, "mlp_input")
+
+    @property
+    def mlps_output(self) -> ValueList:
+        """1.x name: ``mlps_output[i]`` is the standard ``mlp_output``."""
+        deprecated("model.mlps_output[i]", "model.layers[i].mlp.mlp_output")
+        return ValueList(self, "mlp_output")
+
+    @property
+    def attention_probabilities(self) -> AttentionProbabilities:
+        deprecated("model.attention_probabilities[i]", "model.layers[i].self_attn.attention_probabilities")
+        return AttentionProbabilities(self)
+
+    @property
+    def attentions(self) -> ModuleList:
+        deprecated("model.attentions[i]", "model.layers[i].self_attn")
+        return ModuleList(self, "self_attn")
+
+    @property
+    def mlps(self) -> ModuleList:
+        deprecated("model.mlps[i]", "model.layers[i].mlp")
+        return ModuleList(self, "mlp")
+
+    @property
+    def attentions_input(self) -> AttentionInputs:
+        deprecated("model.attentions_input[i]", "model.layers[i].self_attn.input (or attention_norm_output)")
+        return AttentionInputs(self)
+
+    @property
+    def token_embeddings(self):
+        deprecated("model.token_embeddings", "model.embed_tokens.output")
+        return self.embed_tokens.output
+
+    @token_embeddings.setter
+    def token_embeddings(self, value) -> None:
+        deprecated("model.token_embeddings", "model.embed_tokens.output")
+        self.embed_tokens.output = value
+
+    @property
+    def input_ids(self):
+        deprecated("model.input_ids", "model.inputs[1]['input_ids']")
+        return self.inputs[1]["input_ids"]
+
+    @property
+    def attention_mask(self):
+        deprecated("model.attention_mask", "model.inputs[1]['attention_mask']")
+        return self.inputs[1]["attention_mask"]
+
+    @property
+    def input_size(self):
+        deprecated("model.input_size", "model.inputs[1]['input_ids'].shape")
+        return self.inputs[1]["input_ids"].shape
+
+    @property
+    def attn_probs_available(self) -> bool:
+        deprecated("model.attn_probs_available", "model.availability(i)['self_attn.attention_probabilities']")
+        return self._nnterp_attention_on
+
+    @property
+    def add_prefix_false_tokenizer(self):
+        """The tokenizer without a prefix space (1.x used it for first tokens); the model's own one otherwise."""
+        deprecated("model.add_prefix_false_tokenizer", "nnterp.first_tokens(model.tokenizer, word)")
+        from transformers import AutoTokenizer
+
+        cached = self.__dict__.get("_nnterp_no_prefix_tokenizer")
+        if cached is None:
+            try:
+                cached = AutoTokenizer.from_pretrained(self.tokenizer.name_or_path, add_prefix_space=False)
+            except (OSError, ValueError, TypeError):
+                cached = self.tokenizer
+            self.__dict__["_nnterp_no_prefix_tokenizer"] = cached
+        return cached
+
+    def get_topk_closest_tokens(self, hidden_state: torch.Tensor, k: int = 5) -> dict[str, float] | list[dict[str, float]]:
+        """The ``k`` most likely tokens of a stream vector (``[hidden]`` or ``[batch, hidden]``) through the readout."""
+        deprecated("model.get_topk_closest_tokens(h)", "nnterp.top_tokens(model, model.project_on_vocab(h).softmax(-1))")
+        if hidden_state.shape[-1] != self.hidden_size:
+            raise ValueError(f"Hidden state shape {tuple(hidden_state.shape)} does not match model hidden size "
+                             f"{self.hidden_size}.")
+        probs = self.project_on_vocab(hidden_state).softmax(-1)
+        top = probs.topk(k, dim=-1)
+        if probs.dim() == 1:
+            return self.probs_to_dict(top.indices, top.values)
+        return [self.probs_to_dict(indices, values) for indices, values in zip(top.indices, top.values)]
+
+    def probs_to_dict(self, tokens: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
+        return {token: float(p) for token, p in zip(self.tokenizer.convert_ids_to_tokens(tokens), probs.detach())}
+
+    def detect_layer_output_type(self) -> None:
+        """1.x needed this before skipping layers; the family spec knows each block's output type."""
+
+    def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, positions=None, token_positions=None,
+              batch_index=None, value: str = "layer_output") -> None:
+        """Inside a trace: add ``factor * steering_vector`` to ``value`` at ``layers`` (``positions`` is 1.x's name)."""
+        if positions is not None and token_positions is not None:
+            raise ValueError("Cannot specify both positions and token_positions: pass token_positions only (positions "
+                             "is its deprecated 1.x name).")
+        # one warning per call, as in 1.x (which warned only for positions=)
+        if positions is not None:
+            deprecated("model.steer(..., positions=...)", "nnterp.add_to(model, layers, vector, value, factor, "
+                       "positions, batch) (steer's own name for it was token_positions)")
+            token_positions = positions
+        else:
+            deprecated("model.steer(layers, vector, factor, token_positions, batch_index)",
+                       "nnterp.add_to(model, layers, vector, value, factor, positions, batch)")
+        from .edits import add_to
+
+        add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
+
+    def skip_layers(self, start: int, end: int | None = None, skip_with: torch.Tensor | None = None,
+                    layer_returns_tuple: bool | None = None) -> None:
+        """Inside a trace: blocks ``start`` to ``end`` (inclusive) hand on ``skip_with`` (default: block ``start``'s
+        input)."""
+        deprecated("model.skip_layers(start, end, skip_with)", "nnterp.skip_layers(model, start, end, stream)")
+        _skip_layers(self, start, end, skip_with)
+
+    def skip_layer(self, layer: int, skip_with: torch.Tensor | None = None) -> None:
+        deprecated("model.skip_layer(layer, skip_with)", "nnterp.skip_layers(model, layer, layer, stream)")
+        _skip_layers(self, layer, layer, skip_with)
 
 
-def _value_list(old: str, name: str) -> property:
-    def get(self):
-        deprecated(f"model.{old}[i]", f"model.layers[i].{'self_attn.' if 'attention' in name else ''}"
-                                      f"{'mlp.' if name == 'mlp_output' else ''}{name}")
-        return ValueList(self, name)
-    return property(get, doc=f"1.x name: ``{old}[i]`` is the standard ``{name}``.")
-
-
-def _attention_probabilities(self):
-    deprecated("model.attention_probabilities[i]", "model.layers[i].self_attn.attention_probabilities")
-    return AttentionProbabilities(self)
-
-
-def _attentions(self):
-    deprecated("model.attentions[i]", "model.layers[i].self_attn")
-    return ModuleList(self, "self_attn")
-
-
-def _mlps(self):
-    deprecated("model.mlps[i]", "model.layers[i].mlp")
-    return ModuleList(self, "mlp")
-
-
-def _attentions_input(self):
-    deprecated("model.attentions_input[i]", "model.layers[i].self_attn.input (or attention_norm_output)")
-    return AttentionInputs(self)
-
-
-def _token_embeddings_get(self):
-    deprecated("model.token_embeddings", "model.embed_tokens.output")
-    return self.embed_tokens.output
-
-
-def _token_embeddings_set(self, value):
-    deprecated("model.token_embeddings", "model.embed_tokens.output")
-    self.embed_tokens.output = value
-
-
-def _input_ids(self):
-    deprecated("model.input_ids", "model.inputs[1]['input_ids']")
-    return self.inputs[1]["input_ids"]
-
-
-def _attention_mask(self):
-    deprecated("model.attention_mask", "model.inputs[1]['attention_mask']")
-    return self.inputs[1]["attention_mask"]
-
-
-def _input_size(self):
-    deprecated("model.input_size", "model.inputs[1]['input_ids'].shape")
-    return self.inputs[1]["input_ids"].shape
-
-
-def _attn_probs_available(self) -> bool:
-    deprecated("model.attn_probs_available", "model.availability(i)['self_attn.attention_probabilities']")
-    return self._nnterp_attention_on
-
-
-def _add_prefix_false_tokenizer(self):
-    """The tokenizer without a prefix space (1.x used it for first tokens); the model's own one otherwise."""
-    deprecated("model.add_prefix_false_tokenizer", "nnterp.first_tokens(model.tokenizer, word)")
-    from transformers import AutoTokenizer
-
-    cached = self.__dict__.get("_nnterp_no_prefix_tokenizer")
-    if cached is None:
-        try:
-            cached = AutoTokenizer.from_pretrained(self.tokenizer.name_or_path, add_prefix_space=False)
-        except (OSError, ValueError, TypeError):
-            cached = self.tokenizer
-        self.__dict__["_nnterp_no_prefix_tokenizer"] = cached
-    return cached
-
-
-def get_topk_closest_tokens(self, hidden_state: torch.Tensor, k: int = 5) -> dict[str, float] | list[dict[str, float]]:
-    """The ``k`` most likely tokens of a stream vector (``[hidden]`` or ``[batch, hidden]``) through the readout."""
-    deprecated("model.get_topk_closest_tokens(h)", "nnterp.top_tokens(model, model.project_on_vocab(h).softmax(-1))")
-    if hidden_state.shape[-1] != self.hidden_size:
-        raise ValueError(f"Hidden state shape {tuple(hidden_state.shape)} does not match model hidden size "
-                         f"{self.hidden_size}.")
-    probs = self.project_on_vocab(hidden_state).softmax(-1)
-    top = probs.topk(k, dim=-1)
-    if probs.dim() == 1:
-        return self.probs_to_dict(top.indices, top.values)
-    return [self.probs_to_dict(indices, values) for indices, values in zip(top.indices, top.values)]
-
-
-def probs_to_dict(self, tokens: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
-    return {token: float(p) for token, p in zip(self.tokenizer.convert_ids_to_tokens(tokens), probs.detach())}
-
-
-def detect_layer_output_type(self) -> None:
-    """1.x needed this before skipping layers; the family spec knows each block's output type."""
-
-
-def steer(self, layers, steering_vector: torch.Tensor, factor: float = 1.0, positions=None, token_positions=None,
-          batch_index=None, value: str = "layer_output") -> None:
-    """Inside a trace: add ``factor * steering_vector`` to ``value`` at ``layers`` (``positions`` is 1.x's name)."""
-    if positions is not None and token_positions is not None:
-        raise ValueError("Cannot specify both positions and token_positions: pass token_positions only (positions is "
-                         "its deprecated 1.x name).")
-    # one warning per call, as in 1.x (which warned only for positions=)
-    if positions is not None:
-        deprecated("model.steer(..., positions=...)", "nnterp.add_to(model, layers, vector, value, factor, positions, "
-                   "batch) (steer's own name for it was token_positions)")
-        token_positions = positions
-    else:
-        deprecated("model.steer(layers, vector, factor, token_positions, batch_index)",
-                   "nnterp.add_to(model, layers, vector, value, factor, positions, batch)")
-    from .edits import add_to
-
-    add_to(self, layers, steering_vector, value, factor, token_positions, batch_index)
-
-
-def skip_layers(self, start: int, end: int | None = None, skip_with: torch.Tensor | None = None,
-                layer_returns_tuple: bool | None = None) -> None:
-    """Inside a trace: blocks ``start`` to ``end`` (inclusive) hand on ``skip_with`` (default: block ``start``'s input)."""
-    deprecated("model.skip_layers(start, end, skip_with)", "nnterp.skip_layers(model, start, end, stream)")
-    _skip_layers(self, start, end, skip_with)
-
-
-def skip_layer(self, layer: int, skip_with: torch.Tensor | None = None) -> None:
-    deprecated("model.skip_layer(layer, skip_with)", "nnterp.skip_layers(model, layer, layer, stream)")
-    _skip_layers(self, layer, layer, skip_with)
+steer = LegacyNames.steer  # 1.x's nnterp.interventions.steer calls it as a function: steer(model, layers, ...)
 
 
 # 1.x's rename options, by the standard name each gave: RenameConfig's fields, and the constructor options of
@@ -234,6 +256,37 @@ STANDARD_MODULES = ("model", "layers", "embed_tokens", "self_attn", "mlp", "ln_f
 # RenameConfig's config keys, by the model attribute they set
 CONFIG_KEYS = {"attn_head_config_key": "num_heads", "hidden_size_config_key": "hidden_size",
                "vocab_size_config_key": "vocab_size"}
+
+
+# 1.x's config readers (``nnterp.rename_utils`` names them too)
+def default_attn_head_config_keys() -> list[str]:
+    return ["n_heads", "num_attention_heads", "n_head", "num_heads"]
+
+
+def default_hidden_size_config_keys() -> list[str]:
+    return ["hidden_size", "d_model", "n_embd"]
+
+
+def default_vocab_size_config_keys() -> list[str]:
+    return ["vocab_size", "n_vocab"]
+
+
+def text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _config_value(model, keys: list[str], custom, raise_error: bool, what: str):
+    if isinstance(custom, int):
+        return custom
+    keys = keys + ([custom] if isinstance(custom, str) else list(custom or []))
+    config = text_config(model)
+    for key in keys:
+        if getattr(config, key, None) is not None:
+            return getattr(config, key)
+    if raise_error:
+        raise ValueError(f"No {what} config key ({', '.join(keys)}) found in {type(config).__name__}")
+    return None
 
 
 def _names(value) -> list:
@@ -309,12 +362,12 @@ def _where(paths) -> str:
 
 
 def check_renames(root: torch.nn.Module, family, claims, config, validate: bool = True, model=None,
-                  own_aliases: bool = False) -> None:
+                  own_aliases: bool = False, stacklevel: int = 4) -> None:
     """Accept 1.x's rename options where they name what ``family`` places (a warning says to drop them); refuse
     one that contradicts it. A name that matches no module is refused, or ignored with a warning where the
     model is not validated (``check_renaming=False``: 1.x ignored it too). ``own_aliases``: let names
-    other than the standard ones through (a plain nnsight model takes them)."""
-    from . import rename_utils
+    other than the standard ones through (a plain nnsight model takes them). ``stacklevel``: the user's call, two
+    frames above the caller (its caller's caller) by default."""
 
     def refuse(what: str):
         raise TypeError(f"{what}. Modules are placed by the {family.name} family spec, proven on a miniature of "
@@ -350,12 +403,11 @@ def check_renames(root: torch.nn.Module, family, claims, config, validate: bool 
         custom = None if config is None else getattr(config, field)
         if custom is None:
             continue
-        defaults = {"num_heads": rename_utils.default_attn_head_config_keys,
-                    "hidden_size": rename_utils.default_hidden_size_config_keys,
-                    "vocab_size": rename_utils.default_vocab_size_config_keys}[attribute]()
-        given = rename_utils._config_value(root, defaults, custom, False, attribute)  # what 1.x read
+        defaults = {"num_heads": default_attn_head_config_keys, "hidden_size": default_hidden_size_config_keys,
+                    "vocab_size": default_vocab_size_config_keys}[attribute]()
+        given = _config_value(root, defaults, custom, False, attribute)  # what 1.x read
         expected = (getattr(model, attribute) if model is not None
-                    else rename_utils._config_value(root, defaults, None, False, attribute))
+                    else _config_value(root, defaults, None, False, attribute))
         if expected is not None and given != expected:
             refuse(f"RenameConfig({field}={custom!r}) gives {attribute} {given}, but the model's is {expected}")
         accepted.append((f"RenameConfig({field}={custom!r})", f"model.{attribute}"))
@@ -365,32 +417,33 @@ def check_renames(root: torch.nn.Module, family, claims, config, validate: bool 
     if config is not None and not any(old.startswith("RenameConfig(") for old, _ in accepted):
         accepted.append(("rename_config=RenameConfig()", "nothing (a family spec places the modules)"))
     for old, new in accepted:
-        deprecated(old, new, stacklevel=4)
+        deprecated(old, new, stacklevel=stacklevel)
 
 
 def translate_options(kwargs: dict) -> dict:
-    """1.x ``StandardizedTransformer`` options, in today's terms (a warning names each new spelling)."""
+    """1.x ``StandardizedTransformer`` options, in today's terms (a warning names each new spelling, at the call
+    of the constructor that calls ``legacy_arguments``)."""
     kwargs = dict(kwargs)
     if "enable_attention_probs" in kwargs:
-        deprecated("enable_attention_probs=", "attention_values=", stacklevel=4)
+        deprecated("enable_attention_probs=", "attention_values=", stacklevel=5)
         kwargs["attention_values"] = kwargs.pop("enable_attention_probs")
     if "check_renaming" in kwargs:
-        deprecated("check_renaming=", "validate= (the spec is proven on a miniature of the config)", stacklevel=4)
+        deprecated("check_renaming=", "validate= (the spec is proven on a miniature of the config)", stacklevel=5)
         kwargs["validate"] = kwargs.pop("check_renaming")
     if "allow_dispatch" in kwargs:
-        deprecated("allow_dispatch=", "dispatch= (validation never loads the weights)", stacklevel=4)
+        deprecated("allow_dispatch=", "dispatch= (validation never loads the weights)", stacklevel=5)
         kwargs.pop("allow_dispatch")
     if kwargs.pop("remote", False):
         deprecated("StandardizedTransformer(..., remote=True)", "dispatch=False, then trace(..., remote=True)",
-                   stacklevel=4)
+                   stacklevel=5)
         kwargs["dispatch"] = False
     for option in ("check_attn_probs_with_trace", "allow_multimodal"):
         if option in kwargs:
-            deprecated(f"{option}=", "nothing (it has no effect)", stacklevel=4)
+            deprecated(f"{option}=", "nothing (it has no effect)", stacklevel=5)
             kwargs.pop(option)
     tokenizer_kwargs = kwargs.pop("tokenizer_kwargs", None)
     if tokenizer_kwargs:
-        deprecated("tokenizer_kwargs=", "tokenizer=AutoTokenizer.from_pretrained(name, **kwargs)", stacklevel=4)
+        deprecated("tokenizer_kwargs=", "tokenizer=AutoTokenizer.from_pretrained(name, **kwargs)", stacklevel=5)
         if kwargs.get("tokenizer") is None and isinstance(kwargs.get("model"), (str, os.PathLike)):
             from transformers import AutoTokenizer
 
@@ -409,7 +462,7 @@ def backbone_norm(family) -> tuple[str, str] | None:
 
 def name_norm_on_backbone(model) -> None:
     """``model.model.ln_final``: the final norm, also named on the backbone as 1.x's rename dict did."""
-    found = backbone_norm(model._nnterp_family)
+    found = backbone_norm(model.family)
     if found is None:
         return
     backbone = model.__dict__.get("model")  # the backbone's envoy, under its standard name
@@ -421,48 +474,53 @@ def name_norm_on_backbone(model) -> None:
     backbone._aliases["ln_final"] = found[1][len(found[0]) + 1:]
 
 
+def legacy_arguments(model, tokenizer, validate: bool, attention_values: bool, dispatch: bool, options: dict):
+    """1.x constructor arguments in today's terms, for ``StandardizedTransformer.__init__``: ``(model, tokenizer,
+    validate, attention_values, dispatch, from_pretrained_kwargs, after)``; ``after(wrapper)``, called once the
+    model is wrapped, checks the 1.x rename options that need it and applies 1.x's ``padding_side``."""
+    from transformers import PreTrainedModel
+
+    options = dict(options)
+    padding_side = (options.get("tokenizer_kwargs") or {}).get("padding_side")
+    claims, config = pop_renames(options)
+    options = translate_options({"model": model, "tokenizer": tokenizer, "validate": validate,
+                                 "attention_values": attention_values, "dispatch": dispatch, **options})
+    model, tokenizer = options.pop("model"), options.pop("tokenizer")
+    validate, attention_values, dispatch = options.pop("validate"), options.pop("attention_values"), options.pop("dispatch")
+    if (claims or config is not None) and isinstance(model, PreTrainedModel):  # checked before wrapping
+        from .families import family_of
+
+        check_renames(model, family_of(model.config, type(model).__name__), claims, config, validate, stacklevel=5)
+        claims, config = [], None
+
+    def after(wrapper) -> None:
+        if claims or config is not None:  # a name or folder: checked on the model it loaded
+            check_renames(wrapper._module, wrapper.family, claims, config, validate, wrapper, stacklevel=5)
+        name_norm_on_backbone(wrapper)
+        if padding_side:  # nnsight sets left padding on the tokenizer it is given; 1.x's option wins
+            wrapper.tokenizer.padding_side = padding_side
+
+    return model, tokenizer, validate, attention_values, dispatch, options, after
+
+
 def install(cls) -> None:
-    """Put the 1.x names on the model class (called by ``nnterp/__init__.py``)."""
-    for old, name in LEGACY_VALUE_LISTS.items():
-        setattr(cls, old, _value_list(old, name))
-    properties = {
-        "attention_probabilities": property(_attention_probabilities),
-        "attentions": property(_attentions),
-        "mlps": property(_mlps),
-        "attentions_input": property(_attentions_input),
-        "token_embeddings": property(_token_embeddings_get, _token_embeddings_set),
-        "input_ids": property(_input_ids),
-        "attention_mask": property(_attention_mask),
-        "input_size": property(_input_size),
-        "attn_probs_available": property(_attn_probs_available),
-        "add_prefix_false_tokenizer": property(_add_prefix_false_tokenizer),
-    }
-    for name, value in properties.items():
-        setattr(cls, name, value)
-    for function in (get_topk_closest_tokens, probs_to_dict, detect_layer_output_type, steer, skip_layers,
-                     skip_layer):
-        setattr(cls, function.__name__, function)
+    """Give the model class the 1.x names and constructor arguments, where it does not inherit ``LegacyNames`` and
+    call ``legacy_arguments`` itself (called by ``nnterp/__init__.py``)."""
+    if issubclass(cls, LegacyNames):
+        return
+    for name, value in vars(LegacyNames).items():
+        if not name.startswith("__"):
+            setattr(cls, name, value)
     init = cls.__init__
     if not getattr(init, "_nnterp_legacy", False):
         @functools.wraps(init)
-        def __init__(self, model, tokenizer=None, **kwargs):  # noqa: N807
-            from transformers import PreTrainedModel
-
-            padding_side = (kwargs.get("tokenizer_kwargs") or {}).get("padding_side")
-            claims, config = pop_renames(kwargs)
-            kwargs = translate_options({"model": model, "tokenizer": tokenizer, **kwargs})
-            validate = kwargs.get("validate", True)
-            if (claims or config is not None) and isinstance(model, PreTrainedModel):  # checked before wrapping
-                from .families import family_of
-
-                check_renames(model, family_of(model.config, type(model).__name__), claims, config, validate)
-                claims, config = [], None
-            init(self, kwargs.pop("model"), kwargs.pop("tokenizer"), **kwargs)
-            if claims or config is not None:  # a name or folder: checked on the model it loaded
-                check_renames(self._module, self._nnterp_family, claims, config, validate, self)
-            name_norm_on_backbone(self)
-            if padding_side:  # nnsight sets left padding on the tokenizer it is given; 1.x's option wins
-                self.tokenizer.padding_side = padding_side
+        def __init__(self, model, tokenizer=None, *, validate: bool = True, attention_values: bool = False,  # noqa: N807
+                     dispatch: bool = True, **from_pretrained_kwargs):
+            model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs, after = legacy_arguments(
+                model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs)
+            init(self, model, tokenizer, validate=validate, attention_values=attention_values, dispatch=dispatch,
+                 **from_pretrained_kwargs)
+            after(self)
 
         __init__._nnterp_legacy = True
         cls.__init__ = __init__

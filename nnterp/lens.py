@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import nnsight
 import torch
 
+from .catalog import ADDED, STREAM
 from .selection import block_calls, calls_in_forward_order, token_index
 from .tokens import single_token, visible
 
-STREAM_VALUES = ("layer_input", "layer_mid", "layer_output", "attention_output", "mixer_output", "mlp_output")
+STREAM_VALUES = STREAM + ADDED  # [batch, seq, hidden] values the readout reads: the stream, or what is added to it
 
 
 def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "layer_output",

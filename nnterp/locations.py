@@ -12,14 +12,17 @@ place of the module's own, keeping any tuple around it.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .errors import BadAssignment
+from .sourced import sourced
+from .views import DESCRIBED, Count, Heads, HeadsFirst, Prefix, StreamsFirst, Unflatten, View
 
 
+@sourced
 @dataclass(frozen=True)
 class At:
     """A tensor at a module boundary of the block, or at an operation inside a module's forward.
@@ -77,6 +80,9 @@ class At:
     streams_first: bool = False
     count: str = ""
     join: tuple[At, ...] = ()
+    # the views the fields name, in the order they apply: set per location by __post_init__ (derived data, not a
+    # field: it takes no part in comparing, hashing or the proof's cache key); the class's own is no view
+    views: ClassVar[tuple[View, ...]] = ()
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
@@ -93,6 +99,8 @@ class At:
         if any((part.path, part.side, part.op) != (self.path, self.side, self.op) or part._derived
                for part in self.join):
             raise ValueError("the parts of a join are plain elements of the same boundary")
+        # the views the fields name, in the order they apply (``nnterp.views``): data derived once, not a field
+        object.__setattr__(self, "views", views_of(self))
 
     def describe(self) -> str:
         text = self.path or "<block>"
@@ -105,18 +113,7 @@ class At:
         if self.join:
             parts = (f"[{part.index}]" if self.side == "output" else part.kwarg for part in self.join)
             text += f" ({', '.join(parts)} joined along the last dimension)"
-        if self.heads:
-            text += " (viewed per head)"
-        if self.unflatten:
-            text += " (flattened by the block; viewed as [batch, seq, ...])"
-        if self.heads_first:
-            text += " (viewed as [batch, seq, heads, dim])"
-        if self.streams_first:
-            text += " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
-        if self.prefix:
-            text += f" (without the {self.prefix} positions the model prepends to the tokens)"
-        if self.count:
-            text += f" (its first {self.count} positions: without the padding the model adds after the tokens)"
+        text += "".join(view.describe() for kind in DESCRIBED for view in self.views if type(view) is kind)
         if self.copy:
             text += " (a copy, swapped back: the block uses this tensor for more than this value)"
         if self.shared:
@@ -158,51 +155,34 @@ class At:
         return self._element(self._container(envoy))
 
     def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
-        shape = self._token_shape(shape, block_envoy)
-        if self.unflatten:
-            shape = (*leading_shape(block_envoy), shape[-1])
-        if self.heads:  # [batch, seq, (groups,) width] -> [batch, seq, heads, head_dim]
-            width = math.prod(shape[2:])
-            shape = (*shape[:2], num_heads, width // num_heads)
-        return tuple(shape)
-
-    def _token_shape(self, shape, block_envoy) -> tuple[int, ...]:
-        """The model's tensor's shape without the prepended positions, or the padding after the tokens."""
-        if self.count:
-            return (shape[0], token_count(block_envoy, self.count), *shape[2:])
-        if not self.prefix:
-            return tuple(shape)
-        if len(shape) < 3 or shape[1] <= self.prefix:
-            raise ValueError(f"{self.describe()}: the model's tensor {list(shape)} has no positions after the "
-                             f"{self.prefix} it prepends (a pass that does not prepend them: a generation step)")
-        return (shape[0], shape[1] - self.prefix, *shape[2:])
+        """The value's shape, from the shape of the model's tensor."""
+        shape = tuple(shape)
+        try:
+            for view in self.views:
+                shape = view.shape(shape, block_envoy, num_heads)
+        except ValueError as error:
+            raise ValueError(f"{self.describe()}: {error}") from None
+        return shape
 
     def _view(self, tensor, block_envoy, num_heads: int):
-        shape = self._view_shape(block_envoy, tensor.shape, num_heads)
-        if self.prefix:  # a slice: the same storage, so edits in place are the model's
-            tensor = tensor[:, self.prefix :]
-        if self.count:
-            tensor = tensor[:, : shape[1]]
-        if self.heads or self.unflatten:
-            tensor = tensor.view(shape)
-        if self.streams_first:
-            return tensor.movedim(0, 2)
-        return tensor.transpose(1, 2) if self.heads_first else tensor
+        self._view_shape(block_envoy, tensor.shape, num_heads)  # a tensor the views cannot read says why
+        for view in self.views:
+            tensor = view.view(tensor, block_envoy, num_heads)
+        return tensor
 
-    def _with_others(self, tensor, tokens):
-        """The model's tensor: its prepended positions, then ``tokens``, then its padding (a new tensor, derived
-        from ``tokens``, where the model's has positions that are not tokens)."""
-        if self.prefix:
-            return torch.cat((tensor[:, : self.prefix], tokens), dim=1)
-        if self.count and tokens.shape[1] < tensor.shape[1]:
-            return torch.cat((tokens, tensor[:, tokens.shape[1] :]), dim=1)
-        return tokens
+    def _unview(self, value, tensor, block_envoy, num_heads: int):
+        """The model's tensor (``tensor`` as the model gave it) remade from the value: the views undone, last first."""
+        stages = [tensor]
+        for view in self.views[:-1]:
+            stages.append(view.view(stages[-1], block_envoy, num_heads))
+        for view, stage in zip(reversed(self.views), reversed(stages)):
+            value = view.unview(value, stage, block_envoy, num_heads)
+        return value
 
     @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
-        return (self.copy or self.heads or self.unflatten or self.heads_first or self.streams_first or bool(self.prefix)
-                or bool(self.count) or bool(self.join))
+        return self.copy or bool(self.views) or bool(self.join)
 
     def read(self, block_envoy, num_heads: int, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
@@ -228,11 +208,8 @@ class At:
             # edits of the reader's value, now or later in the trace, are the model's.
             if self.join:
                 return self._replaced(raw, tensor)
-            model_side = value.transpose(1, 2) if self.heads_first else value.movedim(2, 0) if self.streams_first else value
-            model_side = (model_side.view(self._token_shape(tensor.shape, block_envoy)) if (self.heads or self.unflatten)
-                          else model_side)
-            model_side = self._with_others(tensor, model_side.clone() if self.copy else model_side)
-            return self._replaced(raw, model_side)
+            model_side = self._unview(value, tensor, block_envoy, num_heads)
+            return self._replaced(raw, model_side.clone() if self.copy else model_side)
 
         # swapped in when the trace next asks the model for anything (nnsight's write-back of a view)
         mediator.transform = WriteBack(back, value, self, location, occurrence)
@@ -265,10 +242,6 @@ class At:
         envoy = self.envoy(block_envoy) if envoy is None else envoy
         current = self._raw(envoy)
         expected = self._view_shape(block_envoy, current.shape, num_heads)
-        if self.heads_first:
-            expected = (expected[0], expected[2], expected[1], *expected[3:])
-        if self.streams_first:
-            expected = (*expected[1:3], expected[0], *expected[3:])
         if not isinstance(value, torch.Tensor):
             raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
         if tuple(value.shape) != tuple(expected):
@@ -286,62 +259,16 @@ class At:
                 f"'{key}' is on {current.device}; the assigned tensor is on {value.device}. "
                 f"Move it first, e.g. value.to('{current.device}')."
             )
-        if self.heads_first:
-            value = value.transpose(1, 2)
-        elif self.streams_first:
-            value = value.movedim(2, 0)
-        else:
-            value = value.reshape(self._token_shape(current.shape, block_envoy))
+        value = self._unview(value, current, block_envoy, num_heads)  # the other positions are the model's
         if self.shared:
-            current[:, self.prefix : self.prefix + value.shape[1]].copy_(value)  # other positions stay the model's
+            current.copy_(value)
         elif self.side == "output":
-            envoy.output = self._replaced(envoy.output, self._with_others(current, value))
+            envoy.output = self._replaced(envoy.output, value)
         else:
-            envoy.inputs = self._replaced(envoy.inputs, self._with_others(current, value))
+            envoy.inputs = self._replaced(envoy.inputs, value)
 
 
-def leading_shape(block_envoy) -> tuple[int, ...]:
-    """``[batch, seq]`` of the stream in this forward pass, read from the block's input once per visit of the block.
-
-    Kept on nnsight's mediator (one per invoke and trace), per visit, so later values of the visit reuse it
-    instead of asking for an input the model already ran past. A visit is the occurrence of the block's output a
-    request made now asks for (``visit``): the same for every value of the block in one pass, through a generation
-    step's pin and its relaxing after the step's first value.
-    """
-    from nnsight.intervention.interleaver import Mediator
-
-    mediator = Mediator.current("the stream's [batch, seq]")
-    shapes = mediator.__dict__.setdefault("_nnterp_leading_shape", {})
-    key = visit(mediator, block_envoy)
-    if key not in shapes:
-        args, kwargs = block_envoy.inputs
-        hidden = args[0] if args else kwargs["hidden_states"]
-        shapes[key] = tuple(hidden.shape[:-1])
-    return shapes[key]
-
-
-def visit(mediator, block_envoy) -> tuple[str, int]:
-    """(the block, which of its calls): the occurrence of the block's output a request made now asks for. Keyed by
-    it, what a block's values share in one call (its [batch, seq]) is read once per call: a generation step, or a
-    run of a looped block."""
-    return block_envoy.path, mediator.wanted(f"{block_envoy.path}.output")
-
-
-def token_count(block_envoy, kwarg: str) -> int:
-    """How many positions of the stream are tokens in this forward pass, where the model pads it after them: the
-    block's keyword argument ``kwarg``, read from the block's input before its first value and kept per visit of the
-    block. A visit is the occurrence of the block's output that a request made now asks for: the same for every
-    value of the block in one pass, through a generation step's pin and its relaxing after the first value."""
-    from nnsight.intervention.interleaver import Mediator
-
-    mediator = Mediator.current("the stream's token count")
-    counts = mediator.__dict__.setdefault("_nnterp_token_count", {})
-    key = visit(mediator, block_envoy)
-    if key not in counts:
-        counts[key] = int(block_envoy.inputs[1][kwarg])
-    return counts[key]
-
-
+@sourced
 @dataclass(frozen=True)
 class SameAs:
     """The same location as another standard value of the block."""
@@ -349,6 +276,7 @@ class SameAs:
     name: str
 
 
+@sourced
 @dataclass(frozen=True)
 class Unavailable:
     """The value has no meaning on this block; ``reason`` says why."""
@@ -365,3 +293,11 @@ def output(path: str = "", index: int = 0, **view) -> At:
 
 def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", **view) -> At:  # noqa: A001
     return At(path, "input", arg=arg, kwarg=kwarg, **view)
+
+
+def views_of(at: At) -> tuple[View, ...]:
+    """The views ``at``'s fields name, in the order they apply (``views.ORDER``)."""
+    named = (Prefix(at.prefix) if at.prefix else None, Count(at.count) if at.count else None,
+             Unflatten() if at.unflatten else None, Heads() if at.heads else None,
+             StreamsFirst() if at.streams_first else None, HeadsFirst() if at.heads_first else None)
+    return tuple(view for view in named if view is not None)

@@ -12,11 +12,14 @@ from nnsight.modeling.transformers import TransformersModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .catalog import BY_NAME, CATALOG
+from .engine import WrappedModel
 from .errors import NNterpError
 from .locations import At, SameAs, Unavailable
 from .selection import layer_ranges
+from .sourced import sourced
 
 
+@sourced
 @dataclass(frozen=True)
 class Availability:
     """Where a value of one block is read, or why it has no meaning there."""
@@ -29,7 +32,7 @@ class Availability:
         return self.reason is None
 
     def __str__(self) -> str:
-        return self.location if self.available else f"unavailable: {self.reason}"
+        return f"unavailable: {self.reason}" if self.reason is not None else str(self.location)
 
 
 class AvailabilityTable(dict):
@@ -47,7 +50,7 @@ class AvailabilityTable(dict):
 class ValueOrder:
     """Availability and forward order of the values of each block."""
 
-    def availability(self, layer: int) -> dict[str, Availability]:
+    def availability(self: WrappedModel, layer: int) -> dict[str, Availability]:
         """Every standard value of block ``layer``: where it is read, or why it is unavailable."""
         block = self.block_spec(layer)
         result = AvailabilityTable()
@@ -59,7 +62,7 @@ class ValueOrder:
                 result[value.key] = Availability(location=location.describe())
         return result
 
-    def order(self, layer: int, aliases: bool = False) -> dict[str, int]:
+    def order(self: WrappedModel, layer: int, aliases: bool = False) -> dict[str, int]:
         """Forward-order ranks of block ``layer``'s available values; equal ranks share a location.
 
         Read a block's values in this order within one trace: reading one after a later one
@@ -73,16 +76,17 @@ class ValueOrder:
         ranks = {event: rank for rank, event in enumerate(sorted(set(events.values())))}
         return {key: ranks[event] for key, event in events.items()}
 
-    def timeline(self, layer: int) -> list[tuple[tuple[int, int], str, At]]:
+    def timeline(self: WrappedModel, layer: int) -> list[tuple[tuple[int, ...], str, At]]:
         """(event, key, location) of every available value and identity extra of a block, in forward order."""
         block = self.block_spec(layer)
-        located = [(value.key, block.resolve(value.name)) for value in CATALOG]
-        located += [(f"extra.{name}", location) for name, location in block.extra.items()]
-        located = [(key, location) for key, location in located if isinstance(location, At)]
+        placed = [(value.key, block.resolve(value.name)) for value in CATALOG]
+        placed += [(f"extra.{name}", location) for name, location in block.extra.items()]
+        located = [(key, location) for key, location in placed if isinstance(location, At)]
         # module boundaries are ordered by the recorded forward pass; an operation inside a forward
         # (read through .source) comes right after the last module-boundary value the catalog puts before it
-        events = {key: (self._event_index(self.block_path(layer, location.path), location.side, key), 0)
-                  for key, location in located if not location.op}
+        events: dict[str, tuple[int, ...]] = {
+            key: (self._event_index(self.block_path(layer, location.path), location.side, key), 0)
+            for key, location in located if not location.op}
         rank = {key: BY_NAME[key.rpartition(".")[2]].rank for key, _ in located if not key.startswith("extra.")}
         block_input = (self._event_index(self.block_path(layer), "input", "layer_input"), 0)
         # and after its module is called (Falcon-H1 runs its Mamba between the norm and the attention). Operations
@@ -97,7 +101,7 @@ class ValueOrder:
                 events[key] = (max(max(before, default=block_input)[0], called), 1 + rank[key], place)
         return sorted(((events[key], key, location) for key, location in located), key=lambda item: item[0])
 
-    def _event_index(self, name: str, side: str, key: str) -> int:
+    def _event_index(self: WrappedModel, name: str, side: str, key: str) -> int:
         index = self._forward_events.get((name, side))
         if index is None:
             raise NNterpError(

@@ -6,6 +6,7 @@ and imports nothing above it. ``nnterp.validation`` is its public face.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -19,16 +20,16 @@ import nnsight
 import torch
 
 from .cache import cache_root
-from .catalog import CATALOG
+from .catalog import BY_NAME, CATALOG, IDENTITY_TERMS, STREAM
 from .errors import NNterpError
-from .families import family_of
+from .families import Proving, family_of, for_config
 from .families.base import ROUTED, SEQUENTIAL
 from .locations import At
 from .miniature import miniature_config, quiet_transformers
 from .selection import block_calls
+from .sourced import sourced
 from .version import __version__
 
-IDENTITY_TERMS = ("layer_input", "attention_output", "mixer_output", "mlp_output", "layer_output")
 # how a formula's first add gives layer_mid, where the block's stream after the token mixer is that sum
 FIRST_ADDS = {
     "(layer_input + attention_output)": lambda v: v["layer_input"] + v["mixer_output"],
@@ -38,6 +39,7 @@ FIRST_ADDS = {
 }
 
 
+@sourced
 @dataclass(frozen=True)
 class IdentityResult:
     layer: int
@@ -107,26 +109,18 @@ class ValidationError(NNterpError):
 
 
 def _expected_dims(model, layer: int, name: str) -> tuple[int | None, ...]:
-    """The shape a value of block ``layer`` must have for the validation input ``[1, SEQ]`` (None: any size)."""
-    hidden, heads = model.hidden_size, model.num_heads_of(layer)
-    if name == "attention_premix":
-        return (1, SEQ, heads, None)
-    if name in ("mlp_activation", "mlp_neurons"):
-        return (1, SEQ, None)
-    if name == "queries":
-        return (1, SEQ, heads, None)
-    if name in ("keys", "values"):
-        return (1, SEQ, None, None)
-    if name in ("attention_scores", "attention_probabilities"):
-        return (1, heads, SEQ, None)
-    return (1, SEQ, hidden)  # the stream may also be [1, SEQ, streams, hidden]: see _shape_problem
+    """The shape a value of block ``layer`` must have for the validation input ``[1, SEQ]``, from the catalog's
+    dimensions (None: any size; a key may count more positions than the tokens, kv heads and widths vary)."""
+    sizes = {"batch": 1, "seq": SEQ, "query": SEQ, "hidden_size": model.hidden_size, "num_heads": model.num_heads_of(layer)}
+    # the stream may also be [1, SEQ, streams, hidden]: see _shape_problem
+    return tuple(sizes.get(dim) for dim in BY_NAME[name].dims)
 
 
 def _shape_problem(model, layer: int, name: str, shape: tuple[int, ...]) -> str | None:
     expected = _expected_dims(model, layer, name)
-    if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 4:
+    if name in STREAM and len(shape) == 4:
         expected = (1, SEQ, None, model.hidden_size)  # parallel streams
-    if name in ("layer_input", "layer_mid", "layer_output") and len(shape) == 3 and shape[-1] % model.hidden_size == 0:
+    if name in STREAM and len(shape) == 3 and shape[-1] % model.hidden_size == 0:
         expected = (1, SEQ, None)  # a widened stream: copies of the hidden size side by side (Qwen4-Exp)
     if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
         readable = ["*" if e is None else e for e in expected]
@@ -173,23 +167,31 @@ def _code(code: types.CodeType) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def validation_key(config, architecture: type, attention: bool = False) -> str:
+# the fields of a family spec no proof reads: its name and types, what tests and docs build, what loading by name,
+# skipping a block and the readout use (``per_config``'s and ``check_config``'s effect is in the spec proven)
+NOT_PROVEN = frozenset({"name", "model_types", "tiny_config", "check_config", "per_config", "variants",
+                        "checkpoint_keys", "skip_output", "logits_transform", "head_input_transform",
+                        "before_final_norm", "readout_unavailable"})
+
+
+def validation_key(config, architecture: type, attention: bool = False, family=None) -> str:
     """(architecture, miniature config, family spec, library versions, which proof): what a validation result
-    depends on."""
+    depends on. ``family``: the spec proven (by default the one served for the config)."""
     import nnsight as _nnsight
     import transformers
 
-
     text_config = config.get_text_config()
-    family = family_of(config, architecture.__name__)
-    spec = [(sorted((key, stable(value)) for key, value in block.values.items()), stable(block.extra), block.formula,
-             stable(block.combine), stable(block.mid))
-            for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
+    family = family_of(config, architecture.__name__) if family is None else for_config(family, config)
+    blocks = [(sorted((key, stable(value)) for key, value in block.values.items()), stable(block.extra), block.formula,
+               stable(block.combine), stable(block.mid))
+              for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
+    # every other field, where a field added to Family counts until it is named here as one no proof reads
+    spec = {field.name: stable(getattr(family, field.name)) for field in dataclasses.fields(family)
+            if field.name not in NOT_PROVEN | {"block"}}
     with quiet_transformers():
         mini = miniature_config(config).to_json_string(use_diff=False)
-    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, mini, spec,
-                       stable(family.attention_internals), torch.__version__, transformers.__version__,
-                       _nnsight.__version__, __version__])
+    text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, mini, blocks, spec, torch.__version__,
+                       transformers.__version__, _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -388,9 +390,15 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     return problems
 
 
-def prove(config, architecture: type, tokenizer, wrap, attention: bool = False) -> tuple[list[str], object]:
-    """(every way the family spec fails on a miniature of ``config``, the wrapped miniature or None)."""
-    family = family_of(config, architecture.__name__)
+def prove(config, architecture: type, tokenizer, wrap, attention: bool = False, family=None) -> tuple[list[str], object]:
+    """(every way the family spec fails on a miniature of ``config``, the wrapped miniature or None).
+
+    ``family``: the spec to prove, served for its model types while the proof wraps and checks the miniature,
+    without being registered (by default the one served for the config)."""
+    if family is not None and config.model_type not in family.model_types:
+        raise ValueError(f"The {family.name} spec does not list the config's model_type {config.model_type!r} "
+                         f"(model_types={family.model_types}): it cannot be proven on this config.")
+    candidate, family = family, family_of(config, architecture.__name__) if family is None else for_config(family, config)
     try:
         model = build_miniature(config, architecture)
     except Exception as error:  # noqa: BLE001 - a config the architecture cannot build proves nothing
@@ -399,8 +407,9 @@ def prove(config, architecture: type, tokenizer, wrap, attention: bool = False) 
     if problems:
         return problems, None
     try:
-        mini = wrap(model, tokenizer=tokenizer, validate=False, attention_values=attention)
-        return problems_of(mini), mini
+        with Proving(candidate) if candidate is not None else contextlib.nullcontext():
+            mini = wrap(model, tokenizer=tokenizer, validate=False, attention_values=attention)
+            return problems_of(mini), mini
     except NNterpError as error:
         return [f"{type(error).__name__}: {error}"], None
     except Exception as error:  # noqa: BLE001 - any failure here means the spec is not proven
@@ -408,17 +417,17 @@ def prove(config, architecture: type, tokenizer, wrap, attention: bool = False) 
 
 
 def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True,
-             attention: bool = False) -> dict[tuple[str, str], int]:
+             attention: bool = False, family=None) -> dict[tuple[str, str], int]:
     """Prove the family spec of ``architecture`` with ``config`` on a miniature; raise ``ValidationError`` if it fails.
 
     No weight is read or allocated at the real size: the miniature has the same classes and
     options with tiny sizes. ``wrap`` is the wrapper class (``StandardizedTransformer``). With
     ``attention=True`` the values inside the attention are proven too (when they are turned on):
     a family whose eager attention differs on this architecture then loses only those values.
-    Results are cached per (architecture, config shape, library versions), in memory and in the
-    cache folder.
+    Results are cached per (architecture, config shape, family spec, library versions), in memory and in
+    the cache folder. ``family``: the spec to prove (by default the one served for the config).
     """
-    key = validation_key(config, architecture, attention)
+    key = validation_key(config, architecture, attention, family)
     marker = cache_root() / "validated" / f"{key}.json"
     if use_cache and key not in _VALIDATED:
         cached = _read_marker(marker, key)
@@ -426,8 +435,8 @@ def validate(config, architecture: type, tokenizer, wrap, use_cache: bool = True
             _VALIDATED[key] = cached
     if use_cache and key in _VALIDATED:
         return _VALIDATED[key]
-    family = family_of(config, architecture.__name__)
-    problems, mini = prove(config, architecture, tokenizer, wrap, attention)
+    problems, mini = prove(config, architecture, tokenizer, wrap, attention, family)
+    family = family_of(config, architecture.__name__) if family is None else family
     if problems:
         raise ValidationError(
             f"The {family.name} spec does not hold on {architecture.__name__} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .engine import WrappedModel
 from .errors import ReadoutUnavailable
 
 
@@ -12,16 +13,16 @@ class Readout:
     """The model's logits, and ``project_on_vocab``: the final norm and head, with what the model does around them."""
 
     @property
-    def logits(self) -> torch.Tensor:
+    def logits(self: WrappedModel) -> torch.Tensor:
         """The model's output logits, ``[batch, seq, vocab]`` (inside a trace)."""
         return self.output.logits
 
     @property
-    def next_token_probs(self) -> torch.Tensor:
+    def next_token_probs(self: WrappedModel) -> torch.Tensor:
         """The softmax of the last position's logits, ``[batch, vocab]`` (inside a trace)."""
         return self.logits[:, -1].softmax(dim=-1)
 
-    def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+    def project_on_vocab(self: WrappedModel, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from a stream tensor, read out as the model reads its last block's output.
 
         The family's final norm and head, with what the model does around them (collapsing
@@ -55,7 +56,7 @@ class Readout:
             logits = family.logits_transform(logits, self._module.config)
         return logits
 
-    def refuse_unreadable_stream(self) -> None:
+    def refuse_unreadable_stream(self: WrappedModel) -> None:
         """Raise ``ReadoutUnavailable`` where the family has no readout of one stream (``project_on_vocab``, the lens)."""
         if self.family.readout_unavailable:
             raise ReadoutUnavailable(f"project_on_vocab and the logit lens are unavailable on {self.family.name}: "

@@ -55,22 +55,16 @@ def register_family(family: Family, config: PretrainedConfig | None = None, arch
             f"The config's model_type is {config.model_type!r}, which the {family.name} spec does not list "
             f"(model_types={family.model_types}): models of this config would never find the spec.")
     architecture = architecture or _causal_lm_class(config, family)
-    before = {t: families.BY_MODEL_TYPE.get(t) for t in family.model_types}
-    families.BY_MODEL_TYPE.update({t: family for t in family.model_types})
-    try:
-        problems, _ = proof.prove(config, architecture, _placeholder_tokenizer(), _wrapper())
-    except BaseException:
-        _restore(before)
-        raise
+    problems, _ = proof.prove(config, architecture, _placeholder_tokenizer(), _wrapper(), family=family)
     if problems:
-        _restore(before)
         raise ValidationError(
             f"The {family.name} spec was not registered: it does not hold on {architecture.__name__} (checked on a "
             "miniature of its config):\n  " + "\n  ".join(problems)
             + "\nFix the locations named above (module paths are relative to a block, from the ...ForCausalLM root "
               "for layers, embed_tokens, ln_final and lm_head) and register it again.")
-    for model_type, previous in before.items():
-        _BEFORE.setdefault(model_type, previous)
+    for model_type in family.model_types:
+        _BEFORE.setdefault(model_type, families.BY_MODEL_TYPE.get(model_type))
+        families.BY_MODEL_TYPE[model_type] = family
     return family
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from nnsight.modeling.transformers import TransformersModel
 
 from . import attention
+from .engine import WrappedModel
 
 
 class RemoteExecution:
@@ -16,13 +17,16 @@ class RemoteExecution:
         return TransformersModel
 
     def _remote_backend(self, remote, blocking, job_id, verbose):
-        """Ship nnterp's code with the request (by value): the server has only torch, transformers and nnsight."""
+        """Ship nnterp's code with the request (by value): the server has only torch, transformers and nnsight; a
+        request the server's Python could not run is refused before it is sent (``nnterp.remote_env``)."""
         import nnsight
 
-        nnsight.register(__name__.partition(".")[0])
-        return TransformersModel._remote_backend(self, remote, blocking, job_id, verbose)
+        from .remote_env import CheckedRemoteBackend
 
-    def _remoteable_get_env(self) -> dict:
+        nnsight.register(__name__.partition(".")[0])
+        return CheckedRemoteBackend.of(TransformersModel._remote_backend(self, remote, blocking, job_id, verbose))
+
+    def _remoteable_get_env(self: WrappedModel) -> dict:
         """The environment a remote request carries: eager attention while the attention values are on."""
         env = TransformersModel._remoteable_get_env(self)
         if self._nnterp_attention_on:

@@ -12,7 +12,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 
-from .legacy import backbone_norm, deprecated
+from .legacy import _config_value, backbone_norm, deprecated
+
+# 1.x's config readers, kept under their 1.x module path: the 1.x layer, which checks a RenameConfig's keys with
+# them, holds them
+from .legacy import default_attn_head_config_keys as default_attn_head_config_keys
+from .legacy import default_hidden_size_config_keys as default_hidden_size_config_keys
+from .legacy import default_vocab_size_config_keys as default_vocab_size_config_keys
+from .legacy import text_config as text_config
 
 
 class RenamingError(Exception):
@@ -93,24 +100,6 @@ def get_ignores(model, rename_config: RenameConfig | None = None) -> list[str]:
     return ignores
 
 
-def text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _config_value(model, keys: list[str], custom, raise_error: bool, what: str):
-    if isinstance(custom, int):
-        return custom
-    keys = keys + ([custom] if isinstance(custom, str) else list(custom or []))
-    config = text_config(model)
-    for key in keys:
-        if getattr(config, key, None) is not None:
-            return getattr(config, key)
-    if raise_error:
-        raise ValueError(f"No {what} config key ({', '.join(keys)}) found in {type(config).__name__}")
-    return None
-
-
 def get_num_attention_heads(model, raise_error: bool = True, rename_config: RenameConfig | None = None) -> int | None:
     deprecated("get_num_attention_heads(model)", "model.num_heads")
     return _config_value(model, ["n_heads", "num_attention_heads", "n_head", "num_heads"],
@@ -146,18 +135,6 @@ def expand_path_with_model(paths: list[str]) -> list[str]:
     """1.x: each ``model.``-prefixed path also under every backbone name."""
     return paths + [path.replace("model.", f"model.{backbone}.") for backbone in MODEL_NAMES
                     for path in paths if path.startswith("model.")]
-
-
-def default_attn_head_config_keys() -> list[str]:
-    return ["n_heads", "num_attention_heads", "n_head", "num_heads"]
-
-
-def default_hidden_size_config_keys() -> list[str]:
-    return ["hidden_size", "d_model", "n_embd"]
-
-
-def default_vocab_size_config_keys() -> list[str]:
-    return ["vocab_size", "n_vocab"]
 
 
 def _probabilities_source(attention_module, return_module_source: bool = False):

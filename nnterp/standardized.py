@@ -19,6 +19,7 @@ from .attention_values import AttentionValues
 from .engine import Slot, Values, envoy_at
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, SublayerEnvoy
 from .families import Family
+from .legacy import LegacyNames, legacy_arguments
 from .loading import has_module, load
 from .locations import At
 from .order import Availability, AvailabilityTable, ValueOrder, forward_events, summary
@@ -30,7 +31,8 @@ __all__ = ["StandardizedTransformer", "Availability", "AvailabilityTable", "sche
            "forward_events"]
 
 
-class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, RemoteExecution, TransformersModel):
+class StandardizedTransformer(LegacyNames, Values, ValueOrder, Readout, AttentionValues, RemoteExecution,
+                              TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
     ``StandardizedTransformer("org/name" or "/local/folder", **from_pretrained_kwargs)`` loads a
@@ -53,6 +55,9 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
 
     def __init__(self, model: str | os.PathLike | transformers.PreTrainedModel, tokenizer=None, *, validate: bool = True,
                  attention_values: bool = False, dispatch: bool = True, **from_pretrained_kwargs):
+        # nnterp 1.x's arguments, translated (and the checks they ask for once the model is wrapped)
+        model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs, after = legacy_arguments(
+            model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs)
         loaded = load(StandardizedTransformer, model, tokenizer, validate, dispatch, from_pretrained_kwargs)
         model, tokenizer, family, lazy, validated = (loaded.model, loaded.tokenizer, loaded.family, loaded.lazy,
                                                      loaded.validated)
@@ -115,6 +120,7 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
         self._forward_events = validated or forward_events(model)
         if attention_values:
             self.enable_attention_values()
+        after(self)
 
     def __repr__(self) -> str:
         """The model's own module tree (standard aliases shown as ``alias/native``), then the standard names."""
@@ -146,7 +152,7 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
         return self._nnterp_text_config.hidden_size
 
     @property
-    def num_heads(self) -> int:
+    def num_heads(self) -> int | None:
         """The config's number of attention heads (the global one, where layers have their own: ``num_heads_of``;
         None on a model without attention)."""
         return global_of(self._nnterp_text_config, "num_attention_heads")
@@ -161,8 +167,9 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
         """How many times block ``layer`` runs in each forward pass (1 except in a looped section)."""
         return self._nnterp_runs[layer % self.num_layers]
 
-    def num_heads_of(self, layer: int) -> int:
-        """The number of attention heads of block ``layer`` (the views per head split by it)."""
+    def num_heads_of(self, layer: int) -> int | None:
+        """The number of attention heads of block ``layer`` (the views per head split by it; None on a block of a
+        model without attention)."""
         return self._nnterp_heads[layer]
 
     @property

@@ -27,7 +27,7 @@ def global_of(config, name: str):
     return getattr(config, name, None)
 
 
-def heads_per_layer(family: Family, config, num_layers: int) -> tuple[int, ...]:
+def heads_per_layer(family: Family, config, num_layers: int) -> tuple[int | None, ...]:
     """Each block's number of attention heads: the family's count per block, the config's list per layer or a
     heterogeneous config's layer's own, else the config's."""
     if family.heads:

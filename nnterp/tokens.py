@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import nnsight
 import torch
 
+from .sourced import sourced
+
 SHOWN = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
@@ -55,6 +57,7 @@ def single_token(model, token: str | int, what: str = "The token") -> int:
     return ids[0]
 
 
+@sourced
 @dataclass(frozen=True)
 class AnswerToken:
     """How the model ranks one token of the answer, at the position that predicts it."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .dictionaries import Dictionary, DictionaryError
+from .dictionaries import FOLDER_KINDS, Dictionary, DictionaryError, _checked_site
 
 LENS_VALUES = ("layer_input", "layer_output")  # the stream between blocks, where a tuned lens was trained
 
@@ -171,3 +171,16 @@ def load_tuned_lens(folder: str | os.PathLike, *, device=None, dtype: torch.dtyp
 
 
 __all__ = ["TunedLens", "load_tuned_lens", "unembedding_hash"]
+
+
+def _translator(path: Path, site, out_site, device, dtype) -> Dictionary:
+    if site is None or out_site is not None:
+        raise DictionaryError(
+            f"{path} is a tuned lens: one translator per layer, each reading the stream entering its block. Say "
+            "which: load_dictionary(path, site=(layer, 'layer_input')); load_tuned_lens(path).dictionaries() gives "
+            "them all (for collect), load_tuned_lens(path) the lens (for logit_lens(..., lens=...)).")
+    layer, value = _checked_site(site)
+    return load_tuned_lens(path, device=device, dtype=dtype).dictionary(layer, value)
+
+
+FOLDER_KINDS["tuned_lens"] = _translator  # load_dictionary on a tuned-lens folder

@@ -32,7 +32,7 @@ def test_every_causal_lm_type_is_served_or_classified():
     served = types & set(BY_MODEL_TYPE)
     missing = unclassified(types, served)
     assert not missing, f"transformers has causal-LM types nnterp neither serves nor classifies: {missing}. " \
-                        "Read their blocks; serve them (nnterp/families/) or classify them in nnterp/coverage.py."
+                        "Read their blocks; serve them (nnterp/families/) or classify them in nnterp/families/unserved.py."
     assert not served & set(EXCLUDED), f"served and excluded at once: {sorted(served & set(EXCLUDED))}"
     assert set(EXCLUDED) <= types, f"classified types transformers no longer has: {sorted(set(EXCLUDED) - types)}"
     assert all(category in CATEGORIES and len(reason) > 10 for category, reason in EXCLUDED.values())

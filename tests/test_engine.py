@@ -14,6 +14,7 @@ import transformers as T
 
 import nnterp
 from nnterp import StandardizedTransformer
+
 from .conftest import tiny_tokenizer
 
 NNTERP_FILES = str(Path(nnterp.__file__).parent)

@@ -22,6 +22,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.modeling import huggingface
 
+import nnterp.remote_env
 from nnterp import (
     Prompt,
     StandardizedTransformer,
@@ -94,6 +95,8 @@ def requests(server, monkeypatch):
         return server.run(request, blob)
 
     monkeypatch.setattr(RemoteBackend, "request", request)
+    # the server's Python, which a request is checked against before it is sent: this process's, as the server's is
+    monkeypatch.setattr(nnterp.remote_env, "server_env", lambda host=None: {"python_version": sys.version})
     return sent
 
 

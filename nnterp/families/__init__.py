@@ -9,10 +9,10 @@ proven, its miniature built), never at ``import nnterp`` (tests/test_import_time
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from transformers import PretrainedConfig
 
-from .. import coverage
 from ..errors import UnknownArchitecture
 from .base import (
     MODEL_LAYERS,
@@ -80,6 +80,7 @@ from .reformer import REFORMER
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
 from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
+from .unserved import WHERE_SERVED, why_not_served
 from .zamba import ZAMBA, ZAMBA2
 
 FAMILIES: tuple[Family, ...] = (
@@ -129,25 +130,56 @@ FAMILIES = tuple(dataclasses.replace(f, model_types=f.model_types + SAME_BLOCKS.
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 
+# the spec a proof serves its own model types with while it wraps and checks a miniature, by thread (``Proving``):
+# a candidate is proven without being registered, and the registry is never changed to prove one. A plain dict, as
+# the registry is: code shipped to a remote server pickles what family_of names
+_PROVING: dict[int, Family] = {}
+
+
+class Proving:
+    """``with Proving(family):`` in this thread, ``family_of`` gives ``family`` for its model types."""
+
+    def __init__(self, family: Family):
+        self.family, self.thread = family, threading.get_ident()
+
+    def __enter__(self) -> Family:
+        self.previous = _PROVING.get(self.thread)
+        _PROVING[self.thread] = self.family
+        return self.family
+
+    def __exit__(self, *exception) -> None:
+        if self.previous is None:
+            _PROVING.pop(self.thread, None)
+        else:
+            _PROVING[self.thread] = self.previous
+
+
 def family_of(config: PretrainedConfig, architecture: str | None = None) -> Family:
     """The family spec for a config (of a model of class ``architecture``); a clear error when none covers it."""
     model_type = getattr(config, "model_type", None)
-    family = BY_MODEL_TYPE.get(model_type)
+    candidate = _PROVING.get(threading.get_ident())
+    family = candidate if candidate is not None and model_type in candidate.model_types else BY_MODEL_TYPE.get(model_type)
     if family is None:
         architectures = architecture or ", ".join(getattr(config, "architectures", None) or []) or "unknown class"
-        why = coverage.why_not_served(model_type)
+        why = why_not_served(model_type)
         if why:  # a type the coverage table excludes, with its reason
             raise UnknownArchitecture(
-                f"nnterp does not serve model_type {model_type!r} ({architectures}), {why}. {coverage.WHERE_SERVED}; "
+                f"nnterp does not serve model_type {model_type!r} ({architectures}), {why}. {WHERE_SERVED}; "
                 "plain nnsight (nnsight.LanguageModel) wraps any model.")
         raise UnknownArchitecture(
-            f"No nnterp family spec covers model_type {model_type!r} ({architectures}); {coverage.WHERE_SERVED}. "
+            f"No nnterp family spec covers model_type {model_type!r} ({architectures}); {WHERE_SERVED}. "
             "To serve it: nnterp.register_family(spec) with its spec (docs: guide/custom-architecture.md), or "
             "nnterp.register_family(nnterp.infer_family(config)) where its module names say enough; meanwhile "
             "plain nnsight (nnsight.LanguageModel) wraps any model."
         )
-    family.check_config(config.get_text_config())
-    changes = family.per_config(config.get_text_config()) if family.per_config else {}
+    return for_config(family, config)
+
+
+def for_config(family: Family, config: PretrainedConfig) -> Family:
+    """``family`` as it serves a model of ``config``: the config checked, the fields that differ on it applied."""
+    text_config = config.get_text_config()
+    family.check_config(text_config)
+    changes = family.per_config(text_config) if family.per_config else {}
     return dataclasses.replace(family, **changes) if changes else family
 
 

@@ -17,10 +17,12 @@ from transformers import PretrainedConfig
 from ..attention import STANDARD, WITH_SINKS, EagerAttention
 from ..catalog import ATTENTION_INTERNALS, CATALOG
 from ..locations import At, Location, SameAs, Unavailable, input, output
+from ..sourced import sourced
 
 Terms = dict[str, torch.Tensor]
 
 
+@sourced
 @dataclass(frozen=True)
 class Block:
     """One block shape: every catalog value placed, and the identity that ties them.
@@ -63,6 +65,7 @@ class Block:
         return location
 
 
+@sourced
 @dataclass(frozen=True)
 class Family:
     """A decoder family: module paths, the block spec(s) and a tiny test config."""

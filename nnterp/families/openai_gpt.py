@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import transformers
 
+from ..sourced import sourced
 from .base import At, EagerAttention, Family, input, output, post_norm_block
 
 
+@sourced
 @dataclass(frozen=True)
 class OwnAttention(EagerAttention):
     """The attention's own code: ``c_attn``'s output split into queries, keys and values (``x_split_0``), each

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import transformers
 
+from ..sourced import sourced
 from .base import At, EagerAttention, Family, input, output, post_norm_block, pre_norm_block
 
 
+@sourced
 @dataclass(frozen=True)
 class UnscaledQueries(EagerAttention):
     """The standard places, but the queries at ``q_proj``'s output (the attention function's are pre-scaled)."""
