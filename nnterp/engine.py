@@ -248,11 +248,10 @@ class BoundValue:
         """Inside a trace: replace this value by ``value`` (checked for shape, dtype and device)."""
         if self.prepare is not None:
             self.prepare.begin(self.block)
-        # None heads (a model without attention) reach only views that do not split by them: At annotates them int
-        self._step(lambda: self.location.write(self.block, value, self.heads, self.key, self.envoy))  # type: ignore[arg-type]
+        self._step(lambda: self.location.write(self.block, value, self.heads, self.key, self.envoy))
 
     def _view(self):
-        return self.location.read(self.block, self.heads, self.envoy)  # type: ignore[arg-type]  # as in write
+        return self.location.read(self.block, self.heads, self.envoy)
 
     def _step(self, step):
         """``step()`` at this value's run, with nnsight's ordering error in the standard names."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from nnsight.intervention.eproperty import eproperty
 
 from .errors import BadAssignment
 from .sourced import sourced
@@ -83,6 +84,7 @@ class At:
     # the views the fields name, in the order they apply: set per location by __post_init__ (derived data, not a
     # field: it takes no part in comparing, hashing or the proof's cache key); the class's own is no view
     views: ClassVar[tuple[View, ...]] = ()
+    served: ClassVar[Served]  # nnsight's eproperty for a value handed back to the model (set per location likewise)
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
@@ -101,6 +103,7 @@ class At:
             raise ValueError("the parts of a join are plain elements of the same boundary")
         # the views the fields name, in the order they apply (``nnterp.views``): data derived once, not a field
         object.__setattr__(self, "views", views_of(self))
+        object.__setattr__(self, "served", Served(self.side))
 
     def describe(self) -> str:
         text = self.path or "<block>"
@@ -154,7 +157,7 @@ class At:
     def _raw(self, envoy):
         return self._element(self._container(envoy))
 
-    def _view_shape(self, block_envoy, shape, num_heads: int) -> tuple[int, ...]:
+    def _view_shape(self, block_envoy, shape, num_heads: int | None) -> tuple[int, ...]:
         """The value's shape, from the shape of the model's tensor."""
         shape = tuple(shape)
         try:
@@ -164,13 +167,13 @@ class At:
             raise ValueError(f"{self.describe()}: {error}") from None
         return shape
 
-    def _view(self, tensor, block_envoy, num_heads: int):
+    def _view(self, tensor, block_envoy, num_heads: int | None):
         self._view_shape(block_envoy, tensor.shape, num_heads)  # a tensor the views cannot read says why
         for view in self.views:
             tensor = view.view(tensor, block_envoy, num_heads)
         return tensor
 
-    def _unview(self, value, tensor, block_envoy, num_heads: int):
+    def _unview(self, value, tensor, block_envoy, num_heads: int | None):
         """The model's tensor (``tensor`` as the model gave it) remade from the value: the views undone, last first."""
         stages = [tensor]
         for view in self.views[:-1]:
@@ -184,36 +187,31 @@ class At:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
         return self.copy or bool(self.views) or bool(self.join)
 
-    def read(self, block_envoy, num_heads: int, envoy=None):
+    def read(self, block_envoy, num_heads: int | None, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
         # a view needs handing back only for gradients (edits in place reach the model through the storage); a
         # copy or a join always
         if not (self.copy or self.join or (self._derived and torch.is_grad_enabled())):
             return self._view(self._raw(envoy), block_envoy, num_heads)
-        from nnsight.intervention.eproperty import WriteBack
-        from nnsight.intervention.interleaver import Mediator
+        # nnsight's write-back of a view: this location's eproperty serves the value and swaps the model's side
+        # in when the trace next asks the model for anything (a read of it before then is the same tensor)
+        return self.served.__get__(Read(self, envoy.path, block_envoy, num_heads))
 
-        location = f"{envoy.path}.{self.side}"
-        mediator = Mediator.current(location)
-        occurrence = mediator.wanted(location)
-        raw = self._container(envoy)
-        tensor = self._element(raw)
-        value = self._view(tensor.clone() if self.copy else tensor, block_envoy, num_heads)
+    def _served_value(self, read: Read, raw):
+        """The value from what the module gives (``raw``): the element, viewed (a clone first, for a copy)."""
+        read.tensor = tensor = self._element(raw)
+        return self._view(tensor.clone() if self.copy else tensor, read.block, read.heads)
 
-        def back():
-            # What the model goes on with is derived from the reader's tensor, so gradients reach it and
-            # edits made to it in place are the model's (a copy hands on a copy of itself: the model may
-            # change what it is handed in place, and the reader's copy must not see that). A joined value
-            # views the joined tensor (padding included): the model goes on with slices of that tensor, so
-            # edits of the reader's value, now or later in the trace, are the model's.
-            if self.join:
-                return self._replaced(raw, tensor)
-            model_side = self._unview(value, tensor, block_envoy, num_heads)
-            return self._replaced(raw, model_side.clone() if self.copy else model_side)
-
-        # swapped in when the trace next asks the model for anything (nnsight's write-back of a view)
-        mediator.transform = WriteBack(back, value, self, location, occurrence)
-        return value
+    def _model_side(self, read: Read, value, raw):
+        """What the model goes on with, derived from the reader's tensor, so gradients reach it and edits made to
+        it in place are the model's (a copy hands on a copy of itself: the model may change what it is handed in
+        place, and the reader's copy must not see that). A joined value views the joined tensor (padding
+        included): the model goes on with slices of that tensor, so edits of the reader's value, now or later in
+        the trace, are the model's."""
+        if self.join:
+            return self._replaced(raw, read.tensor)
+        model_side = self._unview(value, read.tensor, read.block, read.heads)
+        return self._replaced(raw, model_side.clone() if self.copy else model_side)
 
     def _replaced(self, raw, tensor):
         """``raw`` (an output, or ``(args, kwargs)``) with this location's tensor replaced by ``tensor`` (a joined
@@ -238,7 +236,7 @@ class At:
             return (*args[: self.arg], tensor, *args[self.arg + 1 :]), kwargs
         return args, {**kwargs, self.kwarg: tensor}
 
-    def write(self, block_envoy, value, num_heads: int, key: str, envoy=None) -> None:
+    def write(self, block_envoy, value, num_heads: int | None, key: str, envoy=None) -> None:
         envoy = self.envoy(block_envoy) if envoy is None else envoy
         current = self._raw(envoy)
         expected = self._view_shape(block_envoy, current.shape, num_heads)
@@ -266,6 +264,37 @@ class At:
             envoy.output = self._replaced(envoy.output, value)
         else:
             envoy.inputs = self._replaced(envoy.inputs, value)
+
+
+class Read:
+    """One read of a location that hands its value back: what nnsight's eproperty reads it through (the envoy's
+    ``path``), what its views need, and the model's tensor it was served (``tensor``)."""
+
+    def __init__(self, at: At, path: str, block, heads: int | None):
+        self.at, self.path, self.block, self.heads = at, path, block, heads
+        self.tensor: torch.Tensor | None = None
+
+
+def _serve(read: Read, raw):
+    return read.at._served_value(read, raw)
+
+
+def _hand_back(read: Read, value, raw):
+    return read.at._model_side(read, value, raw)
+
+
+class Served(eproperty):
+    """nnsight's ``eproperty`` (its extension point for a view that writes back) at one side of a location: it
+    serves the viewed value, and ``transform``s the reader's tensor back into the model's layout. One per location,
+    so that a second read of the value before the write-back is the same tensor, and another location's is not."""
+
+    def __init__(self, side: str):
+        eproperty.__init__(self, key=side)
+        eproperty.__call__(self, _serve)
+        eproperty.transform(self, _hand_back)
+
+    def __reduce__(self):
+        return Served, (self.key,)
 
 
 @sourced

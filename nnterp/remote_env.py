@@ -104,6 +104,8 @@ def holds_bytecode(payload: bytes, compressed: bool = False) -> bool:
         import zstandard  # what nnsight compresses requests with
 
         payload = zstandard.ZstdDecompressor().decompress(payload)
+    if b"CodeType" not in payload:  # the name is in any payload that builds one: most requests are read in C alone
+        return False
     memo: list = []
     pushed: list = [None, None]  # the last two values pushed (what STACK_GLOBAL and a call take)
     for opcode, argument, _ in pickletools.genops(payload):

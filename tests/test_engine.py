@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import nnsight
 import torch
 import transformers as T
 
@@ -83,3 +84,22 @@ def test_bound_values_follow_the_attention_values_turned_on_and_off():
     assert torch.equal(probabilities, hooked["p"])
     model.disable_attention_values()
     assert not hasattr(model.layers[1].self_attn, "attention_probabilities")
+
+
+def test_a_value_read_twice_before_it_is_handed_back_is_one_tensor_and_its_edit_reaches_the_model():
+    """A per-head view read with gradients on goes back to the model through nnsight's eproperty write-back: a second
+    read before the trace moves on is the same tensor, so an edit made through either is the one the model sees."""
+    hf = llama()
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())
+    ids = torch.randint(0, 1000, (1, 5))
+    with model.trace(ids):
+        first = model.layers[1].self_attn.attention_premix
+        second = model.layers[1].self_attn.attention_premix
+        same = nnsight.save([first is second])
+        second[:, :, 0] = 0
+        edited = first.detach().clone().save()
+        projected = model.layers[1].self_attn.o_proj.output.save()  # what the model made of its input
+    assert same == [True]
+    assert edited[:, :, 0].eq(0).all() and edited[:, :, 1:].ne(0).any()
+    with torch.no_grad():  # the projection of the edited heads is what the model computed
+        assert torch.allclose(hf.model.layers[1].self_attn.o_proj(edited.flatten(2)), projected, atol=1e-6)
