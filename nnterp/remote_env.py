@@ -104,7 +104,10 @@ def holds_bytecode(payload: bytes, compressed: bool = False) -> bool:
         import zstandard  # what nnsight compresses requests with
 
         payload = zstandard.ZstdDecompressor().decompress(payload)
-    if b"CodeType" not in payload:  # the name is in any payload that builds one: most requests are read in C alone
+    # the first code object pickles the string "CodeType" itself (protocol 4 and 5: SHORT_BINUNICODE, 2 and 3:
+    # BINUNICODE), which the source text a request ships (where the word may stand) never holds: most requests are
+    # read in C alone
+    if b"\x8c\x08CodeType" not in payload and b"X\x08\x00\x00\x00CodeType" not in payload:
         return False
     memo: list = []
     pushed: list = [None, None]  # the last two values pushed (what STACK_GLOBAL and a call take)
