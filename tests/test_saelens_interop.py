@@ -73,6 +73,8 @@ def test_saelens_activations_store_reads_the_hooked_activations_from_an_export(c
         assert torch.equal(tokens, token_ids(model, PROMPTS).to(tokens.dtype))
 
 
+# a few prompts on purpose: SAELens says it will train several epochs over them
+@pytest.mark.filterwarnings("ignore:The training dataset contains fewer samples:UserWarning")
 def test_saelens_trains_an_sae_from_an_nnterp_collection_and_nnterp_reads_it_back(tmp_path):
     model = model_of("llama")
     collection = collect(model, PROMPTS, tmp_path / "c", values=["layer_output"], layers=[1], positions="all",
