@@ -5,7 +5,10 @@ Prints, for ``model.layers[i].mlp.mlp_output`` (a module boundary: raw nnsight r
 - the Python calls nnterp's own code makes for one read, the first read of a wrapped model (which resolves where
   the value is) and a cached one (every later trace), counted with ``sys.setprofile`` over nnterp's files;
 - the time per value over raw nnsight's, as a ratio and in microseconds: a 16-block tiny Llama, batch 1 x 8
-  (latency-bound, where the cost of a read shows), every block's value saved in one trace.
+  (latency-bound, where the cost of a read shows), three values of every block (``attention_output``,
+  ``mlp_output``, ``layer_output``: 48 values) saved in one trace. Each round times every variant once, in turn;
+  a variant's per-value time is the median over rounds of (its trace - its empty trace) / 48: pairing each trace
+  with the empty one of the same round takes the machine's drift off.
 
 Usage: ``python benchmarks/reads.py [--rounds 30]``. CPU, one thread, no_grad.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -63,7 +67,7 @@ def nnterp_calls(std: StandardizedTransformer, ids: torch.Tensor) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=60)
     rounds = parser.parse_args().rounds
     model, tok = llama_tiny(), tiny_tokenizer()
     ids = torch.randint(0, 1000, (1, 8))
@@ -74,12 +78,14 @@ def main() -> None:
 
     def raw_reads():
         with raw.trace(ids):
-            saved = nnsight.save([layer.mlp.output for layer in raw.model.layers])
+            saved = nnsight.save([value for layer in raw.model.layers
+                                  for value in (layer.self_attn.output[0], layer.mlp.output, layer.output)])
         return saved
 
     def nnterp_reads():
         with std.trace(ids):
-            saved = nnsight.save([layer.mlp.mlp_output for layer in std.layers])
+            saved = nnsight.save([value for layer in std.layers for value in (
+                layer.self_attn.attention_output, layer.mlp.mlp_output, layer.layer_output)])
         return saved
 
     def raw_empty():
@@ -99,15 +105,16 @@ def main() -> None:
         for _ in range(rounds):
             for name, run in variants.items():
                 times[name].append(timed(run, 1)[0])
-        best = {name: min(values) for name, values in times.items()}
-    count = std.num_layers
-    raw_value, nnterp_value = ((best[name] - best[f"{name} empty"]) / count for name in ("raw", "nnterp"))
-    print(f"model.layers[i].mlp.mlp_output on a {count}-block tiny Llama, batch 1 x 8, minimum of {rounds} rounds")
+        best = {name: statistics.median(values) for name, values in times.items()}
+    count = 3 * std.num_layers
+    raw_value, nnterp_value = (statistics.median((t - e) / count for t, e in zip(times[name], times[f"{name} empty"]))
+                               for name in ("raw", "nnterp"))
+    print(f"3 values of each block of a {std.num_layers}-block tiny Llama, batch 1 x 8, median of {rounds} rounds")
     print(f"  nnterp's Python calls per read: first read {first}, cached {cached}")
     print(f"  per trace of {count} values: raw nnsight {best['raw'] * 1e3:.2f} ms, nnterp {best['nnterp'] * 1e3:.2f} ms "
           f"(an empty trace: raw {best['raw empty'] * 1e3:.2f} ms, nnterp {best['nnterp empty'] * 1e3:.2f} ms)")
-    print(f"  nnterp/raw per trace = {best['nnterp'] / best['raw']:.3f}; per value (each one's empty trace taken off) "
-          f"= {nnterp_value / raw_value:.3f}, {(nnterp_value - raw_value) * 1e6:+.1f} us per value over raw")
+    print(f"  nnterp/raw per trace = {best['nnterp'] / best['raw']:.3f}; per value (the round's empty trace taken off) "
+          f"= {nnterp_value / raw_value:.3f}: raw {raw_value * 1e6:.1f} us, nnterp {nnterp_value * 1e6:.1f} us")
 
 if __name__ == "__main__":
     main()

@@ -23,20 +23,13 @@ from .cache import cache_root
 from .catalog import BY_NAME, CATALOG, IDENTITY_TERMS, STREAM
 from .errors import NNterpError
 from .families import Proving, family_of, for_config
-from .families.base import ROUTED, SEQUENTIAL
+from .families.base import ROUTED
+from .identity import SEQUENTIAL, evaluate, names_in
 from .locations import At
 from .miniature import miniature_config, quiet_transformers
 from .selection import block_calls
 from .sourced import sourced
 from .version import __version__
-
-# how a formula's first add gives layer_mid, where the block's stream after the token mixer is that sum
-FIRST_ADDS = {
-    "(layer_input + attention_output)": lambda v: v["layer_input"] + v["mixer_output"],
-    "(layer_input + mixer_output)": lambda v: v["layer_input"] + v["mixer_output"],
-    "(attention_output + layer_input)": lambda v: v["mixer_output"] + v["layer_input"],
-    "(mixer_output + layer_input)": lambda v: v["mixer_output"] + v["layer_input"],
-}
 
 
 @sourced
@@ -270,17 +263,17 @@ def _run_problems(model, ids) -> list[str]:
 def _placement_problems(model, layer: int, values, label: str) -> list[str]:
     """What the identity alone cannot see: a value placed where another tensor of the right shape lives.
 
-    On a sequential block the stream after the token mixer's add is ``layer_input + mixer_output``
-    (``attention_output`` on an attention block);
-    the MLP is called with the output of the norm before it; a block labelled a routed mixture of
+    On a block whose identity is a sum that adds the MLP's output last, the stream after the token mixer's add is
+    the rest of that sum (``layer_input + attention_output`` on a sequential block); the MLP is called with the output of the norm before it; a block labelled a routed mixture of
     experts has experts, and a dense one has none.
     """
     block = model.block_spec(layer)
     problems = []
-    first = next((add for add in FIRST_ADDS if block.formula.startswith(f"layer_output = {add}")), None)
-    if first and "layer_mid" in values and not torch.equal(values["layer_mid"], FIRST_ADDS[first](values)):
-        problems.append(f"{label}: 'layer_mid' is not {first.strip('()')} on a sequential block")
     module = model._module.get_submodule(model.block_path(layer))
+    first = block.identity.layer_mid()
+    if (first is not None and "layer_mid" in values and names_in(first) <= set(values)
+            and not torch.equal(values["layer_mid"], evaluate(first, values, module))):
+        problems.append(f"{label}: 'layer_mid' is not {first}, the stream the identity adds the MLP's output to")
     if block.mid and "layer_mid" in values and not torch.equal(values["layer_mid"], block.mid(values, module)):
         problems.append(f"{label}: 'layer_mid' is not what the spec's mid() computes from the values")
     if "mlp_norm_output" in values and "mlp_input" in values and not torch.equal(
@@ -335,7 +328,7 @@ def _prescaled_queries(model, layer: int, label: str, values) -> list[str]:
 def _suspects(block, values) -> str:
     """Which values a failed identity points at, from the attention half where it can be checked alone."""
     x, a, mid = values["layer_input"], values.get("mixer_output"), values.get("layer_mid")
-    if mid is None or a is None or block.formula != SEQUENTIAL:
+    if mid is None or a is None or block.identity != SEQUENTIAL:
         return ("one of 'layer_input', 'self_attn.attention_output' (or 'mixer_output'), 'mlp.mlp_output', "
                 "'layer_output' is misplaced")
     if torch.equal(mid, x + a):

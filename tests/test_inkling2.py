@@ -216,7 +216,8 @@ def test_inkling2_proof_catches_a_misplaced_stream_between_the_adds():
         "layer_output = (attention_output")][1]
     inner = model.block_spec(boundary + 1)
     # a restarting block told it adds to the incoming stream: the proof's check of layer_mid fails
-    model._nnterp_blocks = tuple(block if i != boundary else dataclasses.replace(block, mid=inner.mid)
+    told = dataclasses.replace(model.block_spec(boundary).identity, mid=inner.mid)
+    model._nnterp_blocks = tuple(block if i != boundary else dataclasses.replace(block, identity=told)
                                  for i, block in enumerate(model._nnterp_blocks))
     assert any(f"layer {boundary}: 'layer_mid'" in problem for problem in problems_of(model))
 

@@ -82,7 +82,7 @@ def test_the_key_follows_what_the_proof_reads_of_the_spec():
     # what it reads: the module paths, the blocks, the attention internals
     for read in (dataclasses.replace(gpt2, attention="mlp"), dataclasses.replace(gpt2, ln_final="transformer.h"),
                  dataclasses.replace(gpt2, block=lambda config, i: dataclasses.replace(
-                     gpt2.block(config, i), formula=gpt2.block(config, i).formula + " ")),
+                     gpt2.block(config, i), identity=gpt2.block(config, i).identity.noted("(a note)"))),
                  dataclasses.replace(gpt2, attention_internals=lambda config: None)):
         assert proof.validation_key(config, architecture, family=read) != key
     assert proof.validation_key(config, architecture, True, gpt2) != key  # the attention values' proof

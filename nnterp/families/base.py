@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from ..attention import STANDARD, WITH_SINKS, EagerAttention
 from ..catalog import ATTENTION_INTERNALS, CATALOG
+from ..identity import SEQUENTIAL, A, Custom, Identity, M, PostNorm, Sum, X, native
 from ..locations import At, Location, SameAs, Unavailable, input, output
 from ..sourced import sourced
 
@@ -29,21 +30,16 @@ class Block:
 
     ``mixer_output`` is the same place as ``attention_output`` unless the spec places it (a hybrid's
     blocks that mix tokens with something else than attention: ``families.hybrid``).
-    ``combine(terms, block_module)`` recomputes ``layer_output`` from the values (and the
-    ``extra`` tensors, read like values) in the order the model's code adds them.
-    ``formula`` is the same identity for people; ``tolerance`` is 0 where the identity
-    is exact, else the documented rounding (in ulps of the block's dtype).
-    ``mid(terms, block_module)`` recomputes ``layer_mid`` from the values, where the formula's first add does
-    not say it (a cast before the add; a block whose stream restarts: the token mixer's output alone; a stream
-    moved towards the attention's output rather than added to; a post-norm block: the block's norm of the first add).
+    ``identity`` (``nnterp.identity``: a ``Sum``, a ``PostNorm`` or a ``Custom``) recomputes ``layer_output``
+    from the values (and the ``extra`` tensors, read like values) in the order the model's code adds them, and
+    gives the formula shown for it; ``ulps`` is 0 where the plain sum ``layer_input + attention_output +
+    mlp_output`` is exact, else how far it is (in ulps of the block's dtype).
     """
 
     values: dict[str, Location]
-    formula: str
-    combine: Callable[[Terms, torch.nn.Module], torch.Tensor]
+    identity: Identity
     extra: dict[str, At] = field(default_factory=dict)
     ulps: int = 0
-    mid: Callable[[Terms, torch.nn.Module], torch.Tensor] | None = None
 
     def __post_init__(self):
         if "mixer_output" not in self.values:  # a block whose token mixer is its attention
@@ -64,23 +60,44 @@ class Block:
             location = self.values[location.name]
         return location
 
+    @property
+    def formula(self) -> str:
+        """The identity, for people: what the family's page shows, from the same declaration the proof runs."""
+        return self.identity.formula
+
+    def combine(self, terms: Terms, block: torch.nn.Module) -> torch.Tensor:
+        """``layer_output`` recomputed from the values, in the code's order of addition."""
+        return self.identity.combine(terms, block)
+
+    @property
+    def mid(self) -> Callable[[Terms, torch.nn.Module], torch.Tensor] | None:
+        """``layer_mid`` recomputed from the values, where the identity is not a sum that says it (a cast before the
+        add, a stream that restarts or is moved rather than added to, a norm after the add); None otherwise."""
+        return self.identity.mid
+
 
 @sourced
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
-    """A decoder family: module paths, the block spec(s) and a tiny test config."""
+    """A decoder family: module paths, the block spec(s) and a tiny test config.
+
+    Every field is given by name. The module paths default to Llama's layout (``model.layers``,
+    ``model.embed_tokens``, ``model.norm``, ``self_attn``, ``mlp``, ``lm_head``): a spec names the ones its
+    family moves (a path that is not in the model fails the proof, naming what is there)."""
 
     name: str
     model_types: tuple[str, ...]
-    layers: str  # the ModuleList of blocks, from the *ForCausalLM root
-    embed_tokens: str
-    ln_final: str | None  # the final norm; None where the head reads the last block's output directly (OpenAI GPT)
-    attention: str | None  # the attention module, relative to a block; None where no block has one (recurrent)
+    layers: str = "model.layers"  # the ModuleList of blocks, from the *ForCausalLM root
+    embed_tokens: str = "model.embed_tokens"
+    # the final norm; None where the head reads the last block's output directly (OpenAI GPT)
+    ln_final: str | None = "model.norm"
+    # the attention module, relative to a block; None where no block has one (recurrent)
+    attention: str | None = "self_attn"
     # the MLP module, relative to a block; None where its layers sit on the block (OPT), or where no block has an
     # MLP (a block with no MLP has its MLP values unavailable: then ``layers[i].mlp`` is, with their reason).
     # ``attention`` and ``mlp`` name the same module where it is the attention on some blocks and the MLP on others
     # (Nemotron-H's ``mixer``): ``sublayer_classes`` then says which by the module's class
-    mlp: str | None
+    mlp: str | None = "mlp"
     block: Callable[[PretrainedConfig, int], Block]
     tiny_config: Callable[[], PretrainedConfig]
     lm_head: str = "lm_head"
@@ -179,20 +196,12 @@ def softcap_logits(logits: torch.Tensor, config: PretrainedConfig) -> torch.Tens
     return torch.tanh(logits / cap) * cap
 
 
-# The module layout of the families that follow Llama's naming: ``Family(..., **MODEL_LAYERS)``.
+# Llama's module layout, which ``Family``'s paths default to (kept for specs that spell it out with it)
 MODEL_LAYERS = dict(layers="model.layers", embed_tokens="model.embed_tokens", ln_final="model.norm",
                     attention="self_attn", mlp="mlp")
 
 
 # -- shared shapes ----------------------------------------------------------------
-
-
-SEQUENTIAL = "layer_output = (layer_input + attention_output) + mlp_output"
-
-
-def sequential(x, a, m):
-    """``(layer_input + attention_output) + mlp_output``: the add order of a sequential block."""
-    return (x + a) + m
 
 
 def pre_norm_block(
@@ -204,8 +213,7 @@ def pre_norm_block(
     mlp: str,
     act: str,
     down_proj: str,
-    formula: str = SEQUENTIAL,
-    combine: Callable[[Terms, torch.nn.Module], torch.Tensor] | None = None,
+    identity: Identity = SEQUENTIAL,
     ulps: int = 0,
     **overrides: Location,
 ) -> Block:
@@ -228,16 +236,9 @@ def pre_norm_block(
     }
     return Block(
         values={**values, **overrides},
-        formula=formula,
-        combine=combine or (lambda t, _: sequential(t["layer_input"], t["attention_output"], t["mlp_output"])),
+        identity=identity,
         ulps=ulps,
     )
-
-
-def native(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's own forward, called past nnsight's instrumentation: an identity that has the block's norms in it
-    recomputes them (it serves no value, and uses up no call)."""
-    return type(module).forward(module, x)
 
 
 def post_norm_block(*, first_norm: str, second_norm: str, attention: str, o_proj: str, mlp_input: Location,
@@ -247,9 +248,6 @@ def post_norm_block(*, first_norm: str, second_norm: str, attention: str, o_proj
     no norm sits before either sublayer. ``mlp_input`` should be a copy of ``n`` handed to the MLP alone
     (``copy=True``): an edit of it reaches the MLP, one of ``layer_mid`` the stream too. ``why`` names the config
     that makes the block post-norm, in the reasons."""
-    def mid(t, block):
-        return native(block.get_submodule(first_norm), t["layer_input"] + t["attention_output"])
-
     post_norm = f"a post-norm block{why}"
     return Block(
         values={
@@ -267,9 +265,7 @@ def post_norm_block(*, first_norm: str, second_norm: str, attention: str, o_proj
             "mlp_output": mlp_output,
             "layer_output": output("", index=0),
         },
-        formula=f"layer_output = {second_norm}({first_norm}(layer_input + attention_output) + mlp_output)",
-        combine=lambda t, block: native(block.get_submodule(second_norm), mid(t, block) + t["mlp_output"]),
-        mid=mid,  # the proof checks layer_mid is the first norm's output of the first add
+        identity=PostNorm(first_norm, second_norm),  # the proof checks layer_mid is the first norm's output
     )
 
 
@@ -291,18 +287,11 @@ def parallel_block(*, input_norm: str, attention: str, o_proj: str, mlp: str, ac
     norm (``mlp_norm`` None) ``mlp_norm_output`` is ``attention_norm_output``. The plain sum
     ``layer_input + attention_output + mlp_output`` is within one ulp of ``layer_output``.
     """
-    sums = {
-        "(a + m) + x": lambda x, a, m: (a + m) + x,
-        "(m + a) + x": lambda x, a, m: (m + a) + x,
-        "(x + a) + m": lambda x, a, m: (x + a) + m,
-    }
-    add = sums[order]
-    names = {"x": "layer_input", "a": "attention_output", "m": "mlp_output"}
+    sums = {"(a + m) + x": (A + M) + X, "(m + a) + x": (M + A) + X, "(x + a) + m": (X + A) + M}
     return pre_norm_block(
         input_norm=input_norm, attention=attention, o_proj=o_proj, post_norm=mlp_norm or input_norm, mlp=mlp,
         act=act, down_proj=down_proj,
-        formula="layer_output = " + "".join(names.get(c, c) for c in order),
-        combine=lambda t, _: add(t["layer_input"], t["attention_output"], t["mlp_output"]),
+        identity=Sum(sums[order]),
         ulps=0 if order == "(x + a) + m" else 1,
         layer_mid=PARALLEL_NO_MID,
         # one norm feeds both sublayers: what the MLP receives is read as a copy swapped in for the MLP alone,
@@ -318,4 +307,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "STANDARD", "native", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "sequential", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

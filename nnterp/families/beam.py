@@ -14,7 +14,7 @@ import math
 import torch
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Block, Family, output, pre_norm_block
+from .base import ROUTED, Block, Custom, Family, output, pre_norm_block
 
 
 def _add(branch, stream, k):
@@ -33,9 +33,10 @@ def _block(config, i):
     )
     return Block(
         values=base.values,
-        formula=f"layer_output = mlp_output / sqrt({k + 1}) + (attention_output / sqrt({k}) + layer_input * "
-                f"sqrt({k - 1}/{k})) * sqrt({k}/{k + 1})",
-        combine=lambda t, block: _add(t["mlp_output"], _add(t["attention_output"], t["layer_input"], k), k + 1),
+        identity=Custom(
+            f"layer_output = mlp_output / sqrt({k + 1}) + (attention_output / sqrt({k}) + layer_input * "
+            f"sqrt({k - 1}/{k})) * sqrt({k}/{k + 1})",
+            lambda t, block: _add(t["mlp_output"], _add(t["attention_output"], t["layer_input"], k), k + 1)),
     )
 
 
@@ -45,7 +46,7 @@ def _softcap_in_float32(logits: torch.Tensor, config) -> torch.Tensor:
 
 
 BEAM = Family(
-    name="Beam", model_types=("beam",), **MODEL_LAYERS, block=_block, logits_transform=_softcap_in_float32,
+    name="Beam", model_types=("beam",), block=_block, logits_transform=_softcap_in_float32,
     premix_is_not_mixed_values="the attention gates each head's output (a sigmoid of gate_proj) before o_proj",
     tiny_config=lambda: transformers.BeamConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

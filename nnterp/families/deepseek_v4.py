@@ -21,7 +21,8 @@ scores and the probabilities over them are unavailable on those layers (``querie
 import torch
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, Unavailable, input, output, pre_norm_block
+from ..identity import Custom
+from .base import ROUTED, WITH_SINKS, Block, Family, Unavailable, input, output, pre_norm_block
 
 FORMULA = ("layer_mid = attn_post[..., None] * attention_output[..., None, :] + attn_comb^T @ layer_input; "
            "layer_output = ffn_post[..., None] * mlp_output[..., None, :] + ffn_comb^T @ layer_mid "
@@ -50,9 +51,8 @@ def _block(config, i):
     over_keys = ("keys", "values", "attention_scores", "attention_probabilities")
     return Block(
         values={**base.values, **(dict.fromkeys(over_keys, _COMPRESSED) if compressed else {})},
-        formula=FORMULA,
-        combine=lambda t, _: _mix(t["ffn_post"], t["ffn_comb"], t["mlp_output"], _mix(
-            t["attn_post"], t["attn_comb"], t["attention_output"], t["layer_input"])),
+        identity=Custom(FORMULA, lambda t, _: _mix(t["ffn_post"], t["ffn_comb"], t["mlp_output"], _mix(
+            t["attn_post"], t["attn_comb"], t["attention_output"], t["layer_input"]))),
         extra={"attn_post": output("attn_hc", index=0), "attn_comb": output("attn_hc", index=1),
                "ffn_post": output("ffn_hc", index=0), "ffn_comb": output("ffn_hc", index=1)},
     )
@@ -61,7 +61,6 @@ def _block(config, i):
 DEEPSEEK_V4 = Family(
     name="DeepSeek-V4",
     model_types=("deepseek_v4",),
-    **MODEL_LAYERS,
     block=_block,
     attention_internals=WITH_SINKS,
     stream_readout="model.hc_head",  # collapses the streams before the final norm

@@ -23,7 +23,8 @@ from ``norm(stream) + norm(input section's output)``, so a loop's first block re
 
 import transformers
 
-from .base import MODEL_LAYERS, Block, Family, input, native, output
+from ..identity import Custom
+from .base import Block, Family, input, native, output
 
 FORMULA = ("layer_output = n2 + |λ2·s|·(mlp_output - n2), n2 = norm(layer_mid), "
            "layer_mid = n1 + |λ1·s|·(attention_output - n1), n1 = norm(layer_input) "
@@ -57,9 +58,7 @@ def _dory_block(config, i):
             "mlp_output": output("post_feedforward_layernorm"),
             "layer_output": output(""),
         },
-        formula=FORMULA,
-        combine=lambda t, block: _interpolated(block, t),
-        mid=_mid,
+        identity=Custom(FORMULA, lambda t, block: _interpolated(block, t), mid=_mid),
     )
 
 
@@ -71,7 +70,7 @@ def _dory_schedule(config):
 
 
 DORY = Family(
-    name="Dory", model_types=("dory",), **MODEL_LAYERS, block=_dory_block, schedule=_dory_schedule,
+    name="Dory", model_types=("dory",), block=_dory_block, schedule=_dory_schedule,
     premix_is_not_mixed_values="each head's output is gated by a sigmoid, and the heads together are L2-normalised "
     "(attn_sub_norm), before o_proj",
     tiny_config=lambda: transformers.DoryConfig(

@@ -17,11 +17,12 @@ why they are unavailable too: neither stands for one of the pairs.
 
 import transformers
 
+from ..identity import Name, Sum, X
 from .base import Block, Family, Unavailable, input, output
 
-FORMULA = ("layer_output = ((((layer_input + attn0) + mlp0) + attn1) + mlp1) + shortcut "
-           "(attnk = self_attn[k].output[0], mlpk = mlps[k].output, shortcut = mlp.output: the routed MoE of "
-           "post_attention_layernorm[0]'s output)")
+IDENTITY = Sum(((((X + Name("attn0")) + Name("mlp0")) + Name("attn1")) + Name("mlp1")) + Name("shortcut"),
+               note="(attnk = self_attn[k].output[0], mlpk = mlps[k].output, shortcut = mlp.output: the routed MoE "
+                    "of post_attention_layernorm[0]'s output)")
 
 
 def _two_pairs(what: str) -> Unavailable:
@@ -46,8 +47,7 @@ def _block(config, i):
     }
     return Block(
         values=values,
-        formula=FORMULA,
-        combine=lambda t, _: ((((t["layer_input"] + t["attn0"]) + t["mlp0"]) + t["attn1"]) + t["mlp1"]) + t["shortcut"],
+        identity=IDENTITY,
         extra={"attn0": output("self_attn.0", index=0), "mlp0": output("mlps.0"), "shortcut": output("mlp"),
                "attn1": output("self_attn.1", index=0), "mlp1": output("mlps.1")},
     )

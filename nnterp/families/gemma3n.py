@@ -32,6 +32,7 @@ import torch
 import transformers
 
 from ..errors import NNterpError
+from ..identity import Custom
 from .base import STANDARD, Block, Family, input, output, pre_norm_block, softcap_logits
 
 FORMULA = ("layer_output = P + (((P[0] + attention_output) + laurel) / sqrt(2) + mlp_output - P[0]) * (C + 1), "
@@ -70,7 +71,7 @@ def _block(config, i):
         **(_REUSED if config.kv_sharing_modes[i] == "reuse" else {}),
     )
     return Block(
-        values=base.values, formula=FORMULA, combine=_combine,
+        values=base.values, identity=Custom(FORMULA, _combine),
         extra={"A": output("altup.prediction_coefs"), "laurel": output("laurel"),
                "C": output("altup.correction_coefs"), "per_layer": output("post_per_layer_input_norm")},
     )

@@ -19,9 +19,8 @@ import dataclasses
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Block, Family, output, pre_norm_block, softcap_logits
-
-_SCALED = "layer_output = (layer_input + attention_output + mlp_output{ple}) * layer_scalar"
+from ..identity import A, M, Name, Sum, X
+from .base import ROUTED, Block, Family, output, pre_norm_block, softcap_logits
 
 
 def _block(config, i):
@@ -33,17 +32,10 @@ def _block(config, i):
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
         **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if moe else {}),
     )
-
-    def combine(t, block):
-        stream = (t["layer_input"] + t["attention_output"]) + t["mlp_output"]
-        if ple:
-            stream = stream + t["per_layer_input_output"]
-        return stream * block.layer_scalar
-
+    stream = (X + A) + M
     return Block(
         values=base.values,
-        formula=_SCALED.format(ple=" + per_layer_input_output" if ple else ""),
-        combine=combine,
+        identity=Sum(((stream + Name("per_layer_input_output")) if ple else stream) * "layer_scalar"),
         extra={"per_layer_input_output": output("post_per_layer_input_norm")} if ple else {},
     )
 
@@ -51,7 +43,6 @@ def _block(config, i):
 GEMMA4 = Family(
     name="Gemma-4",
     model_types=("gemma4_text",),
-    **MODEL_LAYERS,
     block=_block,
     logits_transform=softcap_logits,
     tiny_config=lambda: transformers.Gemma4TextConfig(
@@ -66,11 +57,17 @@ GEMMA4 = Family(
                {"enable_moe_block": False, "hidden_size_per_layer_input": 0})),
 )
 
-# the image-text classes: the same blocks under model.language_model, the same softcapped head
-_LANGUAGE_MODEL = dict(layers="model.language_model.layers", embed_tokens="model.language_model.embed_tokens",
-                       ln_final="model.language_model.norm")
-GEMMA4_MULTIMODAL = dataclasses.replace(
-    GEMMA4, name="Gemma-4 (image-text)", model_types=("gemma4",), **_LANGUAGE_MODEL, variants=(),
+
+def _image_text(family: Family, name: str, model_type: str, tiny_config) -> Family:
+    """``family`` in its image-text class: the same blocks under ``model.language_model``, the same softcapped head."""
+    return dataclasses.replace(
+        family, name=name, model_types=(model_type,), layers="model.language_model.layers",
+        embed_tokens="model.language_model.embed_tokens", ln_final="model.language_model.norm", variants=(),
+        tiny_config=tiny_config)
+
+
+GEMMA4_MULTIMODAL = _image_text(
+    GEMMA4, "Gemma-4 (image-text)", "gemma4",
     tiny_config=lambda: transformers.Gemma4Config(text_config=GEMMA4.tiny_config().to_dict()))
 GEMMA4_UNIFIED = dataclasses.replace(
     GEMMA4, name="Gemma-4-Unified", model_types=("gemma4_unified_text",), variants=(),
@@ -78,6 +75,6 @@ GEMMA4_UNIFIED = dataclasses.replace(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, head_dim=16, global_head_dim=16, sliding_window=4,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], final_logit_softcapping=30.0))
-GEMMA4_UNIFIED_MULTIMODAL = dataclasses.replace(
-    GEMMA4_UNIFIED, name="Gemma-4-Unified (image-text)", model_types=("gemma4_unified",), **_LANGUAGE_MODEL,
+GEMMA4_UNIFIED_MULTIMODAL = _image_text(
+    GEMMA4_UNIFIED, "Gemma-4-Unified (image-text)", "gemma4_unified",
     tiny_config=lambda: transformers.Gemma4UnifiedConfig(text_config=GEMMA4_UNIFIED.tiny_config().to_dict()))

@@ -22,7 +22,7 @@ block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its atte
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, STANDARD, Family, SameAs, Unavailable, output, pre_norm_block
+from .base import ROUTED, STANDARD, A, Family, M, SameAs, Sum, Unavailable, X, output, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -33,9 +33,7 @@ def _block(config, i, mlp="mlp", factor="residual_multiplier", **overrides):
     return pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp=mlp, act=f"{mlp}.act_fn", down_proj=f"{mlp}.down_proj",
-        formula=f"layer_output = (layer_input + attention_output * r) + mlp_output * r, r = {factor}",
-        combine=lambda t, block: (t["layer_input"] + t["attention_output"] * getattr(block, factor))
-        + t["mlp_output"] * getattr(block, factor),
+        identity=Sum((X + A * factor) + M * factor),
         **overrides,
     )
 
@@ -43,7 +41,6 @@ def _block(config, i, mlp="mlp", factor="residual_multiplier", **overrides):
 GRANITE = Family(
     name="Granite",
     model_types=("granite",),
-    **MODEL_LAYERS,
     block=_block,
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: transformers.GraniteConfig(**_SMALL),
@@ -51,7 +48,7 @@ GRANITE = Family(
 GRANITE_MOE = Family(
     name="Granite-MoE",
     model_types=("granitemoe",),
-    **{**MODEL_LAYERS, "mlp": "block_sparse_moe"},
+    mlp="block_sparse_moe",
     block=lambda config, i: _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED),
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: transformers.GraniteMoeConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2),
@@ -72,7 +69,7 @@ _SINK_SCALED = Unavailable(
 GRANITE_MOE_SHARED = Family(
     name="Granite-MoE-shared",
     model_types=("granitemoeshared", "granitemoe_swa"),
-    **{**MODEL_LAYERS, "mlp": "block_sparse_moe"},
+    mlp="block_sparse_moe",
     block=_shared_block,
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     attention_internals=lambda config: _SINK_SCALED if config.model_type == "granitemoe_swa" else STANDARD,
@@ -84,7 +81,6 @@ GRANITE_MOE_SHARED = Family(
 HYPERCLOVAX = Family(
     name="HyperCLOVAX",
     model_types=("hyperclovax",),
-    **MODEL_LAYERS,
     block=lambda config, i: _block(config, i, attention_output=output("post_norm1"), mlp_output=output("post_norm2")),
     logits_transform=lambda logits, config: logits * config.logits_scaling,
     tiny_config=lambda: transformers.HyperCLOVAXConfig(**_SMALL),
@@ -92,7 +88,6 @@ HYPERCLOVAX = Family(
 MINICPM3 = Family(
     name="MiniCPM3",
     model_types=("minicpm3",),
-    **MODEL_LAYERS,
     block=lambda config, i: _block(config, i, factor="residual_scale"),
     head_input_transform=lambda hidden, config: hidden / config.logits_scaling,
     tiny_config=lambda: transformers.MiniCPM3Config(

@@ -15,7 +15,8 @@ and a sigmoid gate on each head's output; the MLP is dense on the layers ``mlp_l
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, WITH_SINKS, Block, Family, input, output, pre_norm_block
+from ..identity import Custom
+from .base import ROUTED, WITH_SINKS, Block, Family, input, output, pre_norm_block
 
 FORMULA = ("layer_mid = (attn_post[..., None] * attention_output[..., None, :] + layer_input); "
            "layer_output = (ffn_post[..., None] * mlp_output[..., None, :] + layer_mid) "
@@ -36,9 +37,8 @@ def _block(config, i):
     )
     return Block(
         values=base.values,
-        formula=FORMULA,
-        combine=lambda t, _: _broadcast_add(t["ffn_post"], t["mlp_output"], _broadcast_add(
-            t["attn_post"], t["attention_output"], t["layer_input"])),
+        identity=Custom(FORMULA, lambda t, _: _broadcast_add(t["ffn_post"], t["mlp_output"], _broadcast_add(
+            t["attn_post"], t["attention_output"], t["layer_input"]))),
         extra={"attn_post": output("attn_hc", index=0), "ffn_post": output("ffn_hc", index=0)},
     )
 
@@ -46,7 +46,6 @@ def _block(config, i):
 HY_V4 = Family(
     name="HY-V4",
     model_types=("hy_v4",),
-    **MODEL_LAYERS,
     block=_block,
     attention_internals=WITH_SINKS,
     stream_readout="model.hc_head",  # collapses the streams before the final norm

@@ -34,7 +34,8 @@ stream after its add, on every block.
 import transformers
 
 from ..catalog import ATTENTION_VALUES
-from .base import MODEL_LAYERS, ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block, stream_and_none
+from ..identity import A, M, Sum, X
+from .base import ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block, stream_and_none
 from .moe import routed_layer
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -52,8 +53,7 @@ def mixer_block(base: Block, layer: int, mixer: str, kind: str) -> Block:
                          "is mixer_output")
     return Block(
         values={**base.values, "mixer_output": base.values["attention_output"], **dict.fromkeys(ATTENTION_VALUES, reason)},
-        formula=base.formula.replace("attention_output", "mixer_output"),
-        combine=lambda t, module: base.combine({**t, "attention_output": t["mixer_output"]}, module),
+        identity=base.identity.renamed({"attention_output": "mixer_output"}),
         extra=base.extra,
         ulps=base.ulps,
     )
@@ -107,11 +107,7 @@ BAMBA = Family(
 
 # Granite-4.0-H: Granite's residual multiplier r on both contributions; the MLP contribution is the mixture of
 # experts and the shared MLP summed in the block's code (read there, at the name nnsight's .source gives the sum).
-_GRANITE = "layer_output = (layer_input + attention_output * r) + mlp_output * r, r = residual_multiplier"
-
-
-def _granite_sum(t, block):
-    return (t["layer_input"] + t["attention_output"] * block.residual_multiplier) + t["mlp_output"] * block.residual_multiplier
+_GRANITE = Sum((X + A * "residual_multiplier") + M * "residual_multiplier")
 
 
 def _granite_block(config, i):
@@ -119,14 +115,14 @@ def _granite_block(config, i):
     return _hybrid(
         mixer="mamba", kind="a Mamba-2 layer", is_routed=lambda config, i: experts, input_norm="input_layernorm",
         post_norm="post_attention_layernorm", mlp="shared_mlp", act="shared_mlp.activation",
-        down_proj="shared_mlp.output_linear", formula=_GRANITE, combine=_granite_sum,
+        down_proj="shared_mlp.output_linear", identity=_GRANITE,
         mlp_input=SameAs("mlp_norm_output"),  # both the experts and the shared MLP are called with it
         **({"mlp_output": output("", op="hidden_states_4")} if experts else {}),
     )(config, i)
 
 
 GRANITE_MOE_HYBRID = Family(
-    name="Granite-MoE-Hybrid", model_types=("granitemoehybrid",), **{**MODEL_LAYERS, "mlp": "shared_mlp"},
+    name="Granite-MoE-Hybrid", model_types=("granitemoehybrid",), mlp="shared_mlp",
     block=_granite_block, logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: transformers.GraniteMoeHybridConfig(
         **_SMALL, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=128,
@@ -146,7 +142,7 @@ _EXPERTS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, nu
 def _deltanet(name, model_types, is_routed, tiny_config, gated=_GATED):
     """Gated DeltaNet linear attention or attention on the Llama / Qwen-MoE block."""
     return Family(
-        name=name, model_types=model_types, **MODEL_LAYERS,
+        name=name, model_types=model_types,
         block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", is_routed=is_routed,
                       input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp",
                       act="mlp.act_fn", down_proj="mlp.down_proj"),
@@ -171,7 +167,7 @@ def _olmo_hybrid_attention(config, i):
 
 
 OLMO_HYBRID = Family(
-    name="OLMo-Hybrid", model_types=("olmo_hybrid",), **MODEL_LAYERS,
+    name="OLMo-Hybrid", model_types=("olmo_hybrid",),
     block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", attention_block=_olmo_hybrid_attention,
                   input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn",
                   down_proj="mlp.down_proj"),
@@ -179,8 +175,7 @@ OLMO_HYBRID = Family(
 )
 
 
-def _lfm2_sum(t, block):
-    return (t["attention_output"] + t["layer_input"]) + t["mlp_output"]
+_LFM2 = Sum((A + X) + M)
 
 
 def _lfm(name, model_type, tiny_config, is_routed=_never, o_proj="self_attn.out_proj", gated=None, **overrides):
@@ -197,11 +192,11 @@ def _lfm(name, model_type, tiny_config, is_routed=_never, o_proj="self_attn.out_
 
 _CONV = dict(**_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
 LFM2 = _lfm("LFM2", "lfm2", lambda: transformers.Lfm2Config(**_CONV),
-            formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum)
+            identity=_LFM2)
 LFM2_MOE = _lfm("LFM2-MoE", "lfm2_moe", lambda: transformers.Lfm2MoeConfig(
     **_CONV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1),
     is_routed=lambda config, i: i >= config.num_dense_layers,
-    formula="layer_output = (attention_output + layer_input) + mlp_output", combine=_lfm2_sum)
+    identity=_LFM2)
 LFM3 = _lfm("LFM3", "lfm3", lambda: transformers.Lfm3Config(
     **{**_CONV, "layer_types": ["conv", "sliding_attention", "full_attention"]}, sliding_window=2, use_sandwich_norm=True,
     pad_token_id=0),

@@ -12,7 +12,7 @@ head and drops the logits past ``unpadded_vocab_size`` when the head is padded.
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Family, output, pre_norm_block
+from .base import ROUTED, Family, output, pre_norm_block
 
 
 def _block(config, i):
@@ -29,7 +29,7 @@ def _unpadded(logits, config):
 
 
 INKLING = Family(
-    name="Inkling", model_types=("inkling_text",), **MODEL_LAYERS, block=_block,
+    name="Inkling", model_types=("inkling_text",), block=_block,
     # its sliding-window layers have their own head count
     heads=lambda config, i: (config.swa_num_attention_heads if config.layer_types[i] == "hybrid_sliding"
                              else config.num_attention_heads),

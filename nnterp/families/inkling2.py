@@ -47,6 +47,7 @@ import dataclasses
 
 import transformers
 
+from ..identity import Custom
 from .base import ROUTED, Block, EagerAttention, Family, Unavailable, input, output, pre_norm_block
 
 FORMULA = "layer_output = ((layer_input.float() + attention_output.float()) + mlp_output).to(layer_input.dtype)"
@@ -77,13 +78,13 @@ def _block(config, i):
         mlp_activation=ROUTED, mlp_neurons=ROUTED,
     )
     if restarts:
-        return Block(values=base.values, formula=RESTART,
-                     combine=lambda t, _: (t["attention_output"].float() + t["mlp_output"]).to(t["layer_input"].dtype),
-                     mid=lambda t, _: t["mixer_output"].float())
-    return Block(values=base.values, formula=FORMULA,
-                 combine=lambda t, _: ((t["layer_input"].float() + t["attention_output"].float())
-                                       + t["mlp_output"]).to(t["layer_input"].dtype),
-                 mid=lambda t, _: t["layer_input"].float() + t["mixer_output"].float())
+        return Block(values=base.values, identity=Custom(
+            RESTART, lambda t, _: (t["attention_output"].float() + t["mlp_output"]).to(t["layer_input"].dtype),
+            mid=lambda t, _: t["mixer_output"].float()))
+    return Block(values=base.values, identity=Custom(
+        FORMULA, lambda t, _: ((t["layer_input"].float() + t["attention_output"].float()) + t["mlp_output"]).to(
+            t["layer_input"].dtype),
+        mid=lambda t, _: t["layer_input"].float() + t["mixer_output"].float()))
 
 
 INKLING2 = Family(

@@ -11,7 +11,7 @@ over them, so a miniature shrinks its heads (``linear_num_heads``, ``linear_head
 
 import transformers
 
-from .base import MODEL_LAYERS, Family
+from .base import Family
 from .hybrid import _hybrid
 from .moe import routed_layer
 
@@ -24,9 +24,9 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               layer_types=["linear_attention", "full_attention", "linear_attention"],
               mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-KIMI_LINEAR = Family(name="Kimi-Linear", model_types=("kimi_linear",), **MODEL_LAYERS, block=_KDA,
+KIMI_LINEAR = Family(name="Kimi-Linear", model_types=("kimi_linear",), block=_KDA,
                      tiny_config=lambda: transformers.KimiLinearConfig(**_SMALL))
-BAILING_HYBRID = Family(name="Bailing-Hybrid", model_types=("bailing_hybrid",), **MODEL_LAYERS, block=_KDA,
+BAILING_HYBRID = Family(name="Bailing-Hybrid", model_types=("bailing_hybrid",), block=_KDA,
                         premix_is_not_mixed_values="the latent attention multiplies each head's output by a sigmoid "
                                                    "gate (g_proj) before o_proj",
                         tiny_config=lambda: transformers.BailingHybridConfig(

@@ -9,7 +9,7 @@ Sequential pre-norm with a gated MLP: ``mlp_activation`` is ``act_fn(gate_proj(x
 
 import transformers
 
-from .base import MODEL_LAYERS, Family, pre_norm_block
+from .base import Family, pre_norm_block
 
 _SMALL = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -21,7 +21,6 @@ def _llama_like(name, model_types, tiny_config):
     return Family(
         name=name,
         model_types=model_types,
-        **MODEL_LAYERS,
         block=lambda config, i: pre_norm_block(
             input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
             post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",

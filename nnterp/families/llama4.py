@@ -9,7 +9,7 @@ The dense layers' ``feed_forward`` is the gated MLP (``activation_fn``, ``down_p
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Family, output, pre_norm_block
+from .base import ROUTED, Family, output, pre_norm_block
 
 
 def _block(config, i):
@@ -24,7 +24,7 @@ def _block(config, i):
 
 
 LLAMA4 = Family(
-    name="Llama 4", model_types=("llama4_text",), **{**MODEL_LAYERS, "mlp": "feed_forward"}, block=_block,
+    name="Llama 4", model_types=("llama4_text",), mlp="feed_forward", block=_block,
     tiny_config=lambda: transformers.Llama4TextConfig(
         hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64, num_local_experts=4,

@@ -17,7 +17,8 @@ import dataclasses
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Family, input, native, pre_norm_block
+from ..identity import Custom
+from .base import ROUTED, Family, input, native, pre_norm_block
 from .hybrid import is_attention, mixer_block
 
 FORMULA = ("layer_output = n2·α_m + mlp_output·β_m, n2 = norm2(layer_mid), "
@@ -44,7 +45,7 @@ def _minimax_block(config, i):
     attention = is_attention(config, i)
     block = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj" if attention else "",
-        post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="", formula=FORMULA, combine=_scaled_adds,
+        post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="", identity=Custom(FORMULA, _scaled_adds),
         mlp_activation=ROUTED, mlp_neurons=ROUTED,
         # the MLP's input is also the residual of the MLP add: read as a copy swapped in for the MLP alone, so an
         # edit of mlp_input is the MLP's (an edit of mlp_norm_output reaches both)
@@ -54,11 +55,12 @@ def _minimax_block(config, i):
         block = mixer_block(block, i, "self_attn", "lightning attention (a linear attention)")
     alpha, beta = _attention_factors(config, i)
     # the stream after the token mixer's add, from the values alone: the proof checks layer_mid is placed there
-    return dataclasses.replace(block, mid=lambda v, _: v["attention_norm_output"] * alpha + v["mixer_output"] * beta)
+    identity = dataclasses.replace(block.identity, mid=lambda v, _: v["attention_norm_output"] * alpha + v["mixer_output"] * beta)
+    return dataclasses.replace(block, identity=identity)
 
 
 MINIMAX = Family(
-    name="MiniMax", model_types=("minimax",), **MODEL_LAYERS, block=_minimax_block,
+    name="MiniMax", model_types=("minimax",), block=_minimax_block,
     # blocks 0 and 2 softmax attention, 1 and 3 lightning attention; every factor off 1 and distinct, so a missing
     # one shows; a block of 4 positions so the lightning attention carries its state across blocks
     tiny_config=lambda: transformers.MiniMaxConfig(

@@ -14,7 +14,7 @@ do not exist; its ``self_attention`` returns ``(output, weights, router_logits)`
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, STANDARD, WITH_SINKS, Family, Unavailable, pre_norm_block
+from .base import ROUTED, STANDARD, WITH_SINKS, Family, Unavailable, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -49,7 +49,7 @@ def routed_layer(config, i) -> bool:
 
 def _moe(name, model_type, is_routed, tiny_config, attention_internals=STANDARD):
     return Family(
-        name=name, model_types=(model_type,), **MODEL_LAYERS, block=_block(is_routed), tiny_config=tiny_config,
+        name=name, model_types=(model_type,), block=_block(is_routed), tiny_config=tiny_config,
         attention_internals=attention_internals,
     )
 
@@ -78,7 +78,7 @@ DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", routed_layer,
 _ROUTED_HEADS = Unavailable("a routed mixture of attention heads: each token runs its own experts' output projections, "
                             "so no single tensor of heads' outputs, and no single attention, exists")
 JETMOE = Family(
-    name="JetMoE", model_types=("jetmoe",), **{**MODEL_LAYERS, "attention": "self_attention"},
+    name="JetMoE", model_types=("jetmoe",), attention="self_attention",
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attention", o_proj="", post_norm="post_attention_layernorm",
         mlp="mlp", act="", down_proj="", attention_premix=_ROUTED_HEADS, mlp_activation=ROUTED, mlp_neurons=ROUTED),

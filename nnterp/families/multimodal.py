@@ -30,7 +30,7 @@ from collections.abc import Callable
 import transformers
 from transformers import PretrainedConfig
 
-from .base import MODEL_LAYERS, Family, pre_norm_block
+from .base import Family, pre_norm_block
 from .llama import LLAMA, QWEN2, QWEN3
 from .phi3 import PHI3
 from .renamed import PERSIMMON
@@ -79,7 +79,6 @@ PHI4_MULTIMODAL = same_blocks(PHI3, "Phi-4-multimodal", ("phi4_multimodal",), la
 MOSHI = Family(
     name="Moshi",
     model_types=("moshi",),
-    **MODEL_LAYERS,
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.fc2",

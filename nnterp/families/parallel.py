@@ -8,7 +8,7 @@ sparse; Cohere and it scale the head's output by ``logit_scale``.
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Family, parallel_block, pre_norm_block
+from .base import ROUTED, Family, parallel_block, pre_norm_block
 from .moe import routed_layer
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -24,7 +24,7 @@ def _stablelm_block(config, i):
 
 
 def _family(name, model_type, ln_final, block, tiny_config, **options):
-    return Family(name=name, model_types=(model_type,), **{**MODEL_LAYERS, "ln_final": ln_final}, block=block,
+    return Family(name=name, model_types=(model_type,), ln_final=ln_final, block=block,
                   tiny_config=tiny_config, **options)
 
 

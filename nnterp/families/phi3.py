@@ -7,12 +7,11 @@ activation module is ``activation_fn`` on the gate half of ``gate_up_proj``.
 
 import transformers
 
-from .base import MODEL_LAYERS, Family, output, pre_norm_block
+from .base import Family, output, pre_norm_block
 
 PHI3 = Family(
     name="Phi-3",
     model_types=("phi3",),
-    **MODEL_LAYERS,
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",

@@ -18,6 +18,7 @@ Qwen4-Exp checkpoints carry an image-text config; the causal LM built from it is
 
 import transformers
 
+from ..identity import Custom
 from .base import ROUTED, Block, Family, input, output, pre_norm_block
 from .hybrid import mixer_block
 
@@ -39,12 +40,13 @@ def _block(config, i):
         attention_norm_output=output("attn_hyper_connection", index=0),
         layer_mid=input("mlp_hyper_connection", shared=True),  # the gated residual keeps it as the stream
         mlp_norm_output=output("mlp_hyper_connection", index=0),
-        formula=FORMULA if has_ple else FORMULA.replace("(layer_input + P)", "layer_input").partition(" (")[0]
-        + " (attn_w, mlp_w: element 2 of the hyper-connections' outputs)",
-        combine=lambda t, _: _inject(_inject(t["layer_input"] + t["P"] if has_ple else t["layer_input"],
-                                             t["attention_output"], t["attn_w"]), t["mlp_output"], t["mlp_w"]),
+        identity=Custom(
+            FORMULA if has_ple else FORMULA.replace("(layer_input + P)", "layer_input").partition(" (")[0]
+            + " (attn_w, mlp_w: element 2 of the hyper-connections' outputs)",
+            lambda t, _: _inject(_inject(t["layer_input"] + t["P"] if has_ple else t["layer_input"],
+                                         t["attention_output"], t["attn_w"]), t["mlp_output"], t["mlp_w"])),
     )
-    block = Block(values=base.values, formula=base.formula, combine=base.combine,
+    block = Block(values=base.values, identity=base.identity,
                   extra={"attn_w": output("attn_hyper_connection", index=2),
                          "mlp_w": output("mlp_hyper_connection", index=2),
                          **({"P": output("ple")} if has_ple else {})})

@@ -51,6 +51,7 @@ import transformers
 
 from ..catalog import ATTENTION_VALUES
 from ..errors import UnsupportedConfig
+from ..identity import MIXER, A, Custom, M, Sum, X
 from .base import ROUTED, Block, Family, SameAs, Unavailable, input, output, pre_norm_block
 from .hybrid import mixer_block
 
@@ -66,7 +67,7 @@ def not_attention(layer: int, kind: str) -> dict[str, Unavailable]:
 
 
 def _float32_residual(t, block):
-    return (t["layer_input"].to(torch.float32) if block.residual_in_fp32 else t["layer_input"]) + t["mixer_output"]
+    return t["layer_input"].to(torch.float32) + t["mixer_output"]
 
 
 def _mamba_block(name: str):
@@ -82,9 +83,8 @@ def _mamba_block(name: str):
                 "layer_output": output(""),
                 **not_attention(i, f"a {name} mixer"),
             },
-            formula=("layer_output = float32(layer_input) + mixer_output  (residual_in_fp32)"
-                     if config.residual_in_fp32 else "layer_output = layer_input + mixer_output"),
-            combine=_float32_residual,
+            identity=(Custom("layer_output = float32(layer_input) + mixer_output  (residual_in_fp32)", _float32_residual)
+                      if config.residual_in_fp32 else Sum(X + MIXER)),
         )
     return block
 
@@ -126,7 +126,7 @@ def _rwkv_block(config, i):
     )
     block = mixer_block(base, i, "attention", "RWKV's time mixing, a linear recurrence")
     if i == 0:
-        block = dataclasses.replace(block, formula=block.formula + "  (layer_input = pre_ln(embeddings) on block 0)")
+        block = dataclasses.replace(block, identity=block.identity.noted("(layer_input = pre_ln(embeddings) on block 0)"))
     return block
 
 
@@ -199,19 +199,16 @@ def _nemotron_h_block(config, i):
                     "mlp_norm_output": output("norm"), "mlp_input": input("mixer"),
                     "mlp_activation": ROUTED if routed else output("mixer.act_fn"),
                     "mlp_neurons": ROUTED if routed else input("mixer.down_proj"), "mlp_output": output("mixer")},
-            formula="layer_output = layer_input + mlp_output",
-            combine=lambda t, _: t["layer_input"] + t["mlp_output"],
+            identity=Sum(X + M),
         )
     no_mlp = Unavailable(f"block {i} has no MLP: {alone}")
     values = {**stream, "attention_norm_output": output("norm"), "layer_mid": SameAs("layer_output"),
               **dict.fromkeys(MLP_VALUES, no_mlp)}
     if kind == "full_attention":
         values |= {"attention_premix": input("mixer.o_proj", heads=True), "attention_output": output("mixer", index=0)}
-        return Block(values=values, formula="layer_output = layer_input + attention_output",
-                     combine=lambda t, _: t["layer_input"] + t["attention_output"])
+        return Block(values=values, identity=Sum(X + A))
     values |= {"mixer_output": output("mixer"), **not_attention(i, "a Mamba-2 mixer")}
-    return Block(values=values, formula="layer_output = layer_input + mixer_output",
-                 combine=lambda t, _: t["layer_input"] + t["mixer_output"])
+    return Block(values=values, identity=Sum(X + MIXER))
 
 
 def _nemotron_h_sublayers():

@@ -37,6 +37,7 @@ import torch
 import transformers
 
 from ..errors import UnsupportedConfig
+from ..identity import Custom
 from .base import Block, Family, Unavailable, input, output
 
 COUNT = "orig_sequence_length"  # the block's keyword argument: how many positions are tokens
@@ -79,8 +80,7 @@ def _block(config, i):
             # ReformerOutput(hidden_states=Y2, attn_output=Y1, ...): the stream is [Y1, Y2]
             "layer_output": at(output, "", join=(output("", index=1), output("", index=0))),
         },
-        formula=FORMULA,
-        combine=_combine,
+        identity=Custom(FORMULA, _combine),
     )
 
 

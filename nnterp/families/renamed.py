@@ -13,7 +13,7 @@ final norm is ``model.final_layernorm``. nanochat and VaultGemma softcap their l
 
 import transformers
 
-from .base import MODEL_LAYERS, Family, pre_norm_block, softcap_logits
+from .base import Family, pre_norm_block, softcap_logits
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=128,
               max_position_embeddings=64)
@@ -25,7 +25,7 @@ def _renamed(name, model_types, tiny_config, *, act, down_proj, input_norm="inpu
     def block(config, i):
         return pre_norm_block(input_norm=input_norm, attention="self_attn", o_proj=o_proj, post_norm=post_norm,
                               mlp="mlp", act=act, down_proj=down_proj)
-    return Family(name=name, model_types=model_types, **{**MODEL_LAYERS, "ln_final": ln_final}, block=block,
+    return Family(name=name, model_types=model_types, ln_final=ln_final, block=block,
                   tiny_config=tiny_config, **readout)
 
 

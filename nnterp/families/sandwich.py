@@ -16,7 +16,7 @@ with a routed mixture for MLP.
 
 import transformers
 
-from .base import MODEL_LAYERS, ROUTED, Family, Unavailable, input, output, pre_norm_block, softcap_logits
+from .base import ROUTED, Family, Unavailable, input, output, pre_norm_block, softcap_logits
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -68,7 +68,7 @@ def _olmo2_block(config, i, routed=False):
 
 def _family(name, model_type, block, tiny_config, **readout):
     return Family(
-        name=name, model_types=(model_type,), **MODEL_LAYERS, block=block, tiny_config=tiny_config, **readout,
+        name=name, model_types=(model_type,), block=block, tiny_config=tiny_config, **readout,
     )
 
 

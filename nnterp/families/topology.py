@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 import transformers
 
+from ..identity import A, M, Name, Sum, X
 from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
 from .hybrid import is_attention, mixer_block
 
@@ -37,8 +38,7 @@ def _griffin_block(config, i):
     block = pre_norm_block(
         input_norm="temporal_pre_norm", attention="temporal_block", o_proj="temporal_block.o_proj",
         post_norm="channel_pre_norm", mlp="mlp_block", act="mlp_block.act_fn", down_proj="mlp_block.down_proj",
-        formula="layer_output = (attention_output + layer_input) + mlp_output",
-        combine=lambda t, _: t["mlp_output"] + (t["attention_output"] + t["layer_input"]),  # the code's m + (a + x)
+        identity=Sum(M + (A + X)),
     )
     return block if is_attention(config, i) else mixer_block(block, i, "temporal_block", "an RG-LRU recurrent block")
 
@@ -72,16 +72,14 @@ RECURRENT_GEMMA = _TemporalBlocks(
 )
 
 
-_FALCON_H1 = ("layer_output = (layer_input + mixer_output) + mlp_output, mixer_output = mamba * s + attention_output, "
-              "s = ssm_out_multiplier")
+# the sum in the inner parentheses is mixer_output, the mixers' outputs the model adds before the residual add
+_FALCON_H1 = Sum((X + (Name("mamba") * "ssm_out_multiplier" + A)) + M, note="(the inner sum: mixer_output)")
 
 
 def _falcon_h1_block(config, i):
     block = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", post_norm="pre_ff_layernorm",
-        mlp="feed_forward", act="feed_forward.act_fn", down_proj="feed_forward.down_proj", formula=_FALCON_H1,
-        combine=lambda t, block: (t["layer_input"] + (t["mamba"] * block.ssm_out_multiplier + t["attention_output"]))
-        + t["mlp_output"],
+        mlp="feed_forward", act="feed_forward.act_fn", down_proj="feed_forward.down_proj", identity=_FALCON_H1,
         attention_output=output("", op="attention_hidden_states_0"),  # self_attn(...)[0] * attn_out_multiplier
         mixer_output=output("", op="hidden_states_1"),  # mamba_hidden_states + attention_hidden_states
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import transformers
 
+from ..identity import MIXER, Sum, X
 from .base import Block, Family, SameAs, Unavailable, input, output
 from .recurrent import MLP_VALUES, NO_ATTENTION, not_attention
 
@@ -40,8 +41,7 @@ def _zamba_block(shared: str):
                 **(dict.fromkeys(not_attention(i, ""), Unavailable(side)) if hybrid
                    else not_attention(i, "a Mamba mixer")),
             },
-            formula="layer_output = layer_input + mixer_output",
-            combine=lambda t, _: t["layer_input"] + t["mixer_output"],
+            identity=Sum(X + MIXER),
         )
     return block
 
