@@ -222,6 +222,9 @@ class BoundValue:
         self.plain = self.envoy is not None and not location._derived and not (self.unchosen or self.pinned)
         self.output, self.index = location.side == "output", location.index
         self.arg, self.kwarg = location.arg, location.kwarg
+        # where nnsight serves the module's output or inputs (what ``envoy.output`` / ``envoy.inputs`` ask for, their
+        # views being the identity): a plain read asks nnsight's mediator for it directly
+        self.where = None if self.envoy is None else f"{self.envoy.path}.{'output' if self.output else 'input'}"
 
     def __repr__(self) -> str:
         return f"<{self.label()}: {self.location.describe()}>"
@@ -237,9 +240,9 @@ class BoundValue:
             return self._step(self._view)
         try:
             if self.output:
-                raw = self.envoy.output
+                raw = Mediator.value(self.where)
                 return raw[self.index] if isinstance(raw, (tuple, list)) else raw
-            args, kwargs = self.envoy.inputs
+            args, kwargs = Mediator.value(self.where)
             return args[self.arg] if len(args) > self.arg else kwargs[self.kwarg]
         except OutOfOrderError as error:
             raise self._out_of_order(error) from None
