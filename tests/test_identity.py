@@ -4,13 +4,15 @@ arithmetic follows the tree's order, and the stream between the adds that the pr
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nnterp import StandardizedTransformer, proof
-from nnterp.families import BY_MODEL_TYPE, output
+from nnterp.families import BY_MODEL_TYPE, FAMILIES, output
 from nnterp.identity import SEQUENTIAL, A, Custom, M, Name, Plus, PostNorm, Scaled, Sum, X
 
 from .conftest import tiny_tokenizer
@@ -68,6 +70,22 @@ def test_the_tree_is_data_that_compares_and_hashes():
     assert Sum((X + A) + M) == SEQUENTIAL and hash(Sum((X + A) + M)) == hash(SEQUENTIAL)
     assert Sum((A + X) + M) != SEQUENTIAL and isinstance(SEQUENTIAL.tree, Plus)
     assert repr(SEQUENTIAL) == repr(Sum((X + A) + M))  # no address in it
+
+
+def test_every_spec_is_hashable_data_that_prints_the_same_in_another_process():
+    for family in FAMILIES:
+        config = family.tiny_config().get_text_config()
+        blocks = [family.block(config, i) for i in range(config.num_hidden_layers)]
+        assert hash(family) == hash(dataclasses.replace(family)) and len({*blocks}) >= 1
+        assert " at 0x" not in repr(family) + repr(blocks), family.name
+    with pytest.raises(TypeError, match="does not change"):
+        blocks[0].values["layer_input"] = blocks[0].values["layer_output"]
+    # MiniMax: a Custom identity, its code and mid functions, and a variant-free family with a config check
+    code = ("from nnterp.families import BY_MODEL_TYPE as B; f = B['minimax']; c = f.tiny_config(); "
+            "print(repr(f)); print(repr(f.block(c, 1)))")
+    family = BY_MODEL_TYPE["minimax"]
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert printed == f"{family!r}\n{family.block(family.tiny_config(), 1)!r}\n"
 
 
 @pytest.mark.parametrize("model_type", ["granite", "doge", "falcon_h1"])

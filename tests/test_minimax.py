@@ -23,7 +23,7 @@ from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
 from .conftest import build_tiny, perturb, tiny_tokenizer
-from .hooks import capture_once
+from .hooks import capture_once, logits_with_edit
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])  # 7 positions: two lightning blocks of 4
 DTYPES = [torch.float32, torch.bfloat16]
@@ -124,22 +124,6 @@ def test_the_attention_probabilities_of_a_softmax_block_are_the_attentions():
             model.layers[1].self_attn.attention_probabilities.save()
 
 
-def run_with_hook(hf_model, module, side, edit, ids=IDS):
-    """The plain model's logits with ``edit`` (a new tensor) replacing the tensor at ``module``'s input or output."""
-    def pre(m, args):
-        return (edit(args[0]), *args[1:])
-
-    def post(m, args, out):
-        return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
-
-    handle = module.register_forward_pre_hook(pre) if side == "in" else module.register_forward_hook(post)
-    try:
-        with torch.no_grad():
-            return hf_model(input_ids=ids).logits
-    finally:
-        handle.remove()
-
-
 # (block, value key): both layer kinds; the normed stream, which is also the residual of each add; the MLP's input
 # alone (a copy: the residual of the MLP add keeps the norm's output)
 EDITS = [(2, "layer_input"), (1, "attention_norm_output"), (2, "self_attn.attention_output"), (1, "mixer_output"),
@@ -151,7 +135,8 @@ def test_an_edit_reaches_the_model_as_the_same_edit_by_a_hook(layer, key):
     model, hf_model = make()
     path, side = places(hf_model, layer)[key]
     block = hf_model.model.layers[layer]
-    expected = run_with_hook(hf_model, block.get_submodule(path) if path else block, side, lambda t: t * 0.5 + 0.25)
+    expected = logits_with_edit(hf_model, block.get_submodule(path) if path else block, side,
+                                lambda t: t * 0.5 + 0.25, IDS)
     owner, _, name = key.rpartition(".")
     with torch.no_grad(), model.trace(IDS):  # in place
         at = getattr(model.layers[layer], owner) if owner else model.layers[layer]

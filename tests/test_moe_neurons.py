@@ -20,6 +20,7 @@ from nnterp.analysis import AnalysisUnavailable
 from nnterp.families import BY_MODEL_TYPE
 
 from .conftest import build_tiny, tiny_tokenizer
+from .hooks import first_calls
 
 IDS = torch.tensor([[5, 9, 17, 3, 44, 8, 21], [60, 12, 7, 99, 4, 31, 15]])
 CASES = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]
@@ -51,29 +52,12 @@ def hooked_mlp(hf, layer: int) -> dict[str, torch.Tensor]:
     the router's weights and indices as the experts received them ``[tokens, k]``, and the shared expert's
     contribution as the model adds it (zero where there is none)."""
     mlp = hf.model.layers[layer].mlp
-    got = {}
-
-    def on_mlp(module, args, output):
-        got["mlp_output"] = (output[0] if isinstance(output, tuple) else output).detach().clone()
-
-    def on_experts(module, args, output):
-        got["indices"], got["weights"] = args[1].detach().clone(), args[2].detach().clone()
-
-    def on(name):
-        def hook(module, args, output):
-            got[name] = output.detach().clone()
-        return hook
-
-    handles = [mlp.register_forward_hook(on_mlp), mlp.experts.register_forward_hook(on_experts)]
-    for name in ("shared_expert", "shared_expert_gate", "shared_experts"):
-        if hasattr(mlp, name):
-            handles.append(getattr(mlp, name).register_forward_hook(on(name)))
-    try:
-        with torch.no_grad():
-            hf(IDS)
-    finally:
-        for handle in handles:
-            handle.remove()
+    parts = {name: getattr(mlp, name) for name in ("shared_expert", "shared_expert_gate", "shared_experts")
+             if hasattr(mlp, name)}
+    calls = first_calls(hf, {"mlp": mlp, "experts": mlp.experts, **parts}, IDS)
+    (_, output), (args, _) = calls["mlp"], calls["experts"]
+    got = {"mlp_output": output[0] if isinstance(output, tuple) else output, "indices": args[1], "weights": args[2],
+           **{name: calls[name][1] for name in parts}}
     shape = got["mlp_output"].shape
     if "shared_expert" in got:  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x), on flattened tokens
         shared = torch.sigmoid(got["shared_expert_gate"].float()) * got["shared_expert"].float()

@@ -20,9 +20,7 @@ import time
 import nnsight
 import pytest
 import torch
-from huggingface_hub import constants
 from nnsight.intervention.backends.remote import RemoteBackend
-from nnsight.modeling import huggingface
 
 from nnterp import (
     Prompt,
@@ -34,7 +32,7 @@ from nnterp import test_prompt as answer_ranks  # under its own name, pytest wou
 from nnterp.families import BY_MODEL_TYPE
 
 from .conftest import build_tiny, tiny_tokenizer
-from .ndif.harness import NDIFServer, save_to_hub_cache, unavailable
+from .ndif.harness import deployed, unavailable
 from .test_families import CASES, IDS
 from .test_remote import (
     assert_heads_run_remotely,
@@ -56,26 +54,8 @@ MODELS = {"nnterp-ci/gpt2": CASES["gpt2"][0], "nnterp-ci/llama": CASES["llama"][
 @pytest.fixture(scope="module")
 def ndif():
     """One server for the module: started, the models deployed; the client pointed at it; stopped at the end."""
-    server = NDIFServer()
-    with pytest.MonkeyPatch.context() as patch:
-        try:
-            patch.setattr(constants, "HF_HUB_CACHE", str(server.hub))  # the client reads the server's cache
-            deployments = {}
-            for repo, config in MODELS.items():
-                model = build_tiny(config())
-                save_to_hub_cache(server.hub, repo, model, tiny_tokenizer())
-                patch.setitem(huggingface._ID_CACHE, repo, repo)  # offline: the hub would canonicalise the id
-                key = StandardizedTransformer(repo, dispatch=False).to_model_key()  # the key requests carry
-                deployments[repo] = key, sum(p.numel() * p.element_size() for p in model.parameters())
-            server.start(deployments)
-        except BaseException:
-            server.stop()
-            raise
-        patch.setattr(nnsight.CONFIG.API, "HOST", server.url)
-        patch.setattr(nnsight.CONFIG.API, "APIKEY", None)
-        patch.setattr(nnsight.CONFIG.APP, "REMOTE_LOGGING", False)
+    with deployed({repo: build_tiny(config()) for repo, config in MODELS.items()}, tiny_tokenizer()) as server:
         yield server
-        assert server.stop() == []  # nothing it started outlives it
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from nnterp.lens import logit_lens
 from nnterp.miniature import miniature_config
 from nnterp.validation import check_identity
 
-from .conftest import build_tiny, perturb, tiny_tokenizer
-from .hooks import capture_once
+from .conftest import build_tiny, edited_logits, perturb, tiny_tokenizer
+from .hooks import capture_once, logits_with_edit
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 DTYPES = [torch.float32, torch.bfloat16]
@@ -94,23 +94,6 @@ def test_every_value_equals_the_hooks_and_the_post_norm_identity_holds(case, dty
             assert not hasattr(model.layers[0], name)
 
 
-def run_with_hook(hf_model, module, side, edit, ids=IDS):
-    """The plain model's logits with ``edit`` (giving a new tensor) swapped in at ``module``."""
-    if side == "in":
-        handle = module.register_forward_pre_hook(lambda m, a: (edit(a[0]), *a[1:]))
-    else:
-        def post(m, a, out):
-            if isinstance(out, list):
-                return [edit(out[0]), *out[1:]]
-            return edit(out)
-        handle = module.register_forward_hook(post)
-    try:
-        with torch.no_grad():
-            return hf_model(input_ids=ids).logits
-    finally:
-        handle.remove()
-
-
 def edit(t):
     return t * 0.5 + 0.25
 
@@ -121,20 +104,12 @@ def test_an_edit_reaches_the_model_as_a_hook_edit(name):
     model, hf_model = make()
     path, side = AT[name]
     block = hf_model.transformer.h[1]
-    expected = run_with_hook(hf_model, block.get_submodule(path) if path else block, side, edit)
+    expected = logits_with_edit(hf_model, block.get_submodule(path) if path else block, side, edit, IDS)
     with torch.no_grad():
         plain = hf_model(input_ids=IDS).logits
     assert not torch.equal(expected, plain)
     for assign in (False, True):
-        with torch.no_grad(), model.trace(IDS):
-            owner = getattr(model.layers[1], SUBLAYER[name]) if name in SUBLAYER else model.layers[1]
-            if assign:
-                setattr(owner, name, edit(getattr(owner, name)))
-            else:
-                tensor = getattr(owner, name)
-                tensor[:] = edit(tensor)
-            logits = model.logits.save()
-        assert torch.equal(logits, expected), (name, assign)
+        assert torch.equal(edited_logits(model, IDS, 1, name, SUBLAYER.get(name), edit, assign), expected), (name, assign)
 
 
 def test_an_edit_of_mlp_input_reaches_the_mlp_alone_and_one_of_layer_mid_the_stream_too():

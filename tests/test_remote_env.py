@@ -8,7 +8,6 @@ import sys
 import nnsight
 import pytest
 import torch
-from huggingface_hub import constants
 from nnsight.intervention import serialization
 from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.modeling import huggingface
@@ -27,7 +26,7 @@ from nnterp.remote_env import (
 )
 
 from .conftest import build_tiny, tiny_tokenizer
-from .ndif.harness import NDIFServer, save_to_hub_cache, unavailable
+from .ndif.harness import deployed, unavailable
 from .test_families import CASES, IDS
 from .test_shipped_code import Recorder
 
@@ -160,23 +159,8 @@ def ndif():
     reason = unavailable()
     if reason is not None:
         pytest.skip(f"no real NDIF server here: {reason}")
-    server = NDIFServer()
-    with pytest.MonkeyPatch.context() as patch:
-        try:
-            patch.setattr(constants, "HF_HUB_CACHE", str(server.hub))
-            model = build_tiny(CASES["gpt2"][0]())
-            save_to_hub_cache(server.hub, "nnterp-ci/gpt2", model, tiny_tokenizer())
-            patch.setitem(huggingface._ID_CACHE, "nnterp-ci/gpt2", "nnterp-ci/gpt2")
-            key = StandardizedTransformer("nnterp-ci/gpt2", dispatch=False).to_model_key()
-            server.start({"nnterp-ci/gpt2": (key, sum(p.numel() * p.element_size() for p in model.parameters()))})
-        except BaseException:
-            server.stop()
-            raise
-        patch.setattr(nnsight.CONFIG.API, "HOST", server.url)
-        patch.setattr(nnsight.CONFIG.API, "APIKEY", None)
-        patch.setattr(nnsight.CONFIG.APP, "REMOTE_LOGGING", False)
+    with deployed({"nnterp-ci/gpt2": build_tiny(CASES["gpt2"][0]())}, tiny_tokenizer()) as server:
         yield server
-        assert server.stop() == []
 
 
 def test_the_real_servers_env_is_checked(ndif):

@@ -23,6 +23,22 @@ from ..sourced import sourced
 Terms = dict[str, torch.Tensor]
 
 
+class FrozenDict(dict):
+    """A dict that cannot change, so that a spec holding one is hashable (a block's ``{value name: location}``, a
+    variant's config changes)."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self),)
+
+    def _unchanged(self, *args, **kwargs):
+        raise TypeError("a spec does not change: build another one (dataclasses.replace)")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _unchanged  # type: ignore
+
+
 @sourced
 @dataclass(frozen=True)
 class Block:
@@ -44,6 +60,8 @@ class Block:
     def __post_init__(self):
         if "mixer_output" not in self.values:  # a block whose token mixer is its attention
             object.__setattr__(self, "values", {**self.values, "mixer_output": SameAs("attention_output")})
+        object.__setattr__(self, "values", FrozenDict(self.values))
+        object.__setattr__(self, "extra", FrozenDict(self.extra))
         structural = {v.name for v in CATALOG} - set(ATTENTION_INTERNALS)  # the engine places the internals
         missing = structural - set(self.values)
         unknown = set(self.values) - {v.name for v in CATALOG}
@@ -150,6 +168,9 @@ class Family:
     # the fields of this spec that differ on one (text) config, where the modules around the blocks depend on it (OPT:
     # no final norm on a post-norm config, project_out where the embeddings are narrower than the stream); None: none
     per_config: Callable[[PretrainedConfig], dict] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "variants", tuple((label, FrozenDict(changes)) for label, changes in self.variants))
 
     @property
     def block_lists(self) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ with ``ndif deploy -f`` in float32, and loaded by ``cpu_actor.CPUModelActor`` (N
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -242,3 +244,36 @@ class NDIFServer:
         for process in self.processes.values():
             process.poll()  # reaps a leader, our child
         return [pid for process in self.processes.values() for pid in session_processes(process.pid)]
+
+
+@contextlib.contextmanager
+def deployed(models: dict, tokenizer) -> Iterator[NDIFServer]:
+    """A server with ``models`` ({made-up repo id: a model}) deployed, and this process's client pointed at it (the
+    HF cache it reads, the ids it would canonicalise online, nnsight's host, no API key or remote logging), all put
+    back at the end; the server stopped at the end, with nothing it started left running."""
+    import nnsight
+    import pytest
+    from huggingface_hub import constants
+    from nnsight.modeling import huggingface
+
+    from nnterp import StandardizedTransformer
+
+    server = NDIFServer()
+    with pytest.MonkeyPatch.context() as patch:
+        try:
+            patch.setattr(constants, "HF_HUB_CACHE", str(server.hub))  # the client reads the server's cache
+            deployments = {}
+            for repo, model in models.items():
+                save_to_hub_cache(server.hub, repo, model, tokenizer)
+                patch.setitem(huggingface._ID_CACHE, repo, repo)  # offline: the hub would canonicalise the id
+                key = StandardizedTransformer(repo, dispatch=False).to_model_key()  # the key requests carry
+                deployments[repo] = key, sum(p.numel() * p.element_size() for p in model.parameters())
+            server.start(deployments)
+        except BaseException:
+            server.stop()
+            raise
+        patch.setattr(nnsight.CONFIG.API, "HOST", server.url)
+        patch.setattr(nnsight.CONFIG.API, "APIKEY", None)
+        patch.setattr(nnsight.CONFIG.APP, "REMOTE_LOGGING", False)
+        yield server
+        assert server.stop() == []  # nothing it started outlives it
