@@ -14,6 +14,8 @@ process). NDIF runs Python 3.12 or later.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import pickletools
 import sys
 
@@ -148,6 +150,34 @@ class CheckedRemoteBackend(RemoteBackend):
                    blocking=backend.blocking, job_id=backend.job_id, verbose=backend.verbose)
 
     def _serialize(self, tracer) -> bytes:
-        blob = super()._serialize(tracer)
+        with _sources_found_once():
+            blob = super()._serialize(tracer)
         check_server_python(server_env(self.host), holds_bytecode(blob, self.compress))
         return blob
+
+
+_SOURCE_LINES: dict = {}  # code object -> inspect.getsourcelines's answer for the functions with that code
+
+
+@contextlib.contextmanager
+def _sources_found_once():
+    """While a request is pickled, inspect finds a function's source lines once per process. nnsight asks for the
+    source of every function it ships, twice per request, and inspect re-tokenizes the file from the function's first
+    line each time: most of the time a request takes to build (half a second for a tiny model's read). The lines are
+    the same each time, since a file is read once per process (``linecache``, as nnsight reads it)."""
+    find = inspect.getsourcelines
+
+    def found_once(obj):
+        code = getattr(inspect.unwrap(obj), "__code__", None) if inspect.isfunction(obj) else None
+        if code is None:
+            return find(obj)
+        if code not in _SOURCE_LINES:
+            _SOURCE_LINES[code] = find(obj)
+        lines, start = _SOURCE_LINES[code]
+        return list(lines), start
+
+    inspect.getsourcelines = found_once
+    try:
+        yield
+    finally:
+        inspect.getsourcelines = find

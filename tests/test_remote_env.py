@@ -3,6 +3,7 @@ read without loading them; then against the real NDIF server (Python 3.12) where
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import nnsight
@@ -193,3 +194,36 @@ def test_records_built_and_printed_on_the_real_server_behave_as_here(ndif):
     assert shown_there == shown == repr(At("attn", "output", index=1, heads=True))
     assert same_there == same == [True, True, False]
     assert torch.equal(layer, layer_there)
+
+
+def test_a_request_finds_each_source_once_and_is_the_request_nnsight_builds(tmp_path, monkeypatch):
+    folder = tmp_path / "gpt2"
+    build_tiny(CASES["gpt2"][0]()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.setitem(huggingface._ID_CACHE, str(folder), str(folder))
+    model = StandardizedTransformer(str(folder))
+    built, asked = [], []
+    find = inspect.getsourcelines
+
+    def counted(obj):
+        asked.append(obj)
+        return find(obj)
+
+    def request(backend, request_model, tracer):  # the network hop: nnsight's own request, then the checked one
+        # (twice: nnsight's first pickling of a trace tags the modules it references, which its later ones name)
+        built.extend(RemoteBackend._serialize(backend, tracer) for _ in range(2))
+        monkeypatch.setattr(inspect, "getsourcelines", counted)
+        built.extend(backend._serialize(tracer) for _ in range(2))
+        tracer.execute(tracer.info.code)
+
+    monkeypatch.setattr(RemoteBackend, "request", request)
+    monkeypatch.setattr("nnterp.remote_env.server_env", lambda host=None: env_of(MAJOR, MINOR))
+    with torch.no_grad(), model.trace(IDS, remote=True):
+        saved = nnsight.save(model.layers[1].mlp.mlp_output)
+    with torch.no_grad(), model.trace(IDS):
+        local = nnsight.save(model.layers[1].mlp.mlp_output)
+    assert torch.equal(saved, local)
+    assert built[1] == built[2] == built[3]  # the same bytes as nnsight's own request
+    shipped = {id(getattr(obj, "__code__", obj)) for obj in asked}
+    assert len(asked) == len(shipped)  # each function's source found once, and not again for the second request
+    assert inspect.getsourcelines is counted  # put back as it was when the request was built
