@@ -264,8 +264,8 @@ def _placement_problems(model, layer: int, values, label: str) -> list[str]:
     """What the identity alone cannot see: a value placed where another tensor of the right shape lives.
 
     On a block whose identity is a sum that adds the MLP's output last, the stream after the token mixer's add is
-    the rest of that sum (``layer_input + attention_output`` on a sequential block); the MLP is called with the output of the norm before it; a block labelled a routed mixture of
-    experts has experts, and a dense one has none.
+    the rest of that sum (``layer_input + attention_output`` on a sequential block); the MLP is called with the
+    output of the norm before it; a block labelled a routed mixture of experts has experts, and a dense one has none.
     """
     block = model.block_spec(layer)
     problems = []

@@ -125,7 +125,18 @@ class Count(View):
         token_count(block, self.kwarg)
 
 
-class Unflatten(View):
+class _Reshaped(View):
+    """A view of the same storage in another shape (``shape``); a value handed back takes the model's shape again
+    (a copy only where the value is not contiguous, as an assigned one may be)."""
+
+    def view(self, tensor, block, heads):
+        return tensor.view(self.shape(tensor.shape, block, heads))
+
+    def unview(self, value, tensor, block, heads):
+        return value.reshape(tensor.shape)
+
+
+class Unflatten(_Reshaped):
     """A tensor the block flattened to ``[batch * seq, features]``, as ``[batch, seq, features]`` (``[batch, seq]``
     read from the block's input in the same pass, before its first value: ``leading_shape``)."""
 
@@ -134,12 +145,6 @@ class Unflatten(View):
     def shape(self, shape, block, heads):
         return (*leading_shape(block), shape[-1])
 
-    def view(self, tensor, block, heads):
-        return tensor.view(self.shape(tensor.shape, block, heads))
-
-    def unview(self, value, tensor, block, heads):
-        return value.view(tensor.shape)
-
     def describe(self) -> str:
         return " (flattened by the block; viewed as [batch, seq, ...])"
 
@@ -147,18 +152,12 @@ class Unflatten(View):
         leading_shape(block)
 
 
-class Heads(View):
+class Heads(_Reshaped):
     """The last dimension (or the dimensions after ``[batch, seq]``) as ``[num_heads, head_dim]``."""
 
     def shape(self, shape, block, heads):
         width = math.prod(shape[2:])
         return (*shape[:2], heads, width // heads)
-
-    def view(self, tensor, block, heads):
-        return tensor.view(self.shape(tensor.shape, block, heads))
-
-    def unview(self, value, tensor, block, heads):
-        return value.reshape(tensor.shape)
 
     def describe(self) -> str:
         return " (viewed per head)"

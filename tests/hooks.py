@@ -56,8 +56,8 @@ def capture_once(hf_model, blocks, places, ids, **forward):
 def _cloned(value):
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cloned(item) for item in value) if type(value) in (tuple, list) else value
+    if type(value) in (tuple, list):  # a named tuple or a model output stays as it is
+        return type(value)(_cloned(item) for item in value)
     return value
 
 

@@ -120,6 +120,22 @@ def test_an_edit_reaches_the_model_as_a_hook_edit(name):
         assert torch.equal(edited_logits(model, IDS, 1, name, SUBLAYER.get(name), edit, assign), expected), (name, assign)
 
 
+@pytest.mark.parametrize("name", ["mlp_neurons", "mlp_output"])
+def test_a_value_the_block_flattens_takes_an_assigned_tensor_of_any_layout(name):
+    """Viewed as [batch, seq, ...] over the block's [batch * seq, ...]: an assigned tensor laid out otherwise in
+    memory (a transpose made contiguous and transposed back: the same values) reaches the model as the hook edit."""
+    model, hf_model = make()
+    path, side = AT[name]
+    expected = logits_with_edit(hf_model, hf_model.model.decoder.layers[1].get_submodule(path), side, edit, IDS)
+
+    def strided(t):
+        value = edit(t).transpose(0, 1).contiguous().transpose(0, 1)
+        assert not value.is_contiguous()
+        return value
+
+    assert torch.equal(edited_logits(model, IDS, 1, name, SUBLAYER.get(name), strided, True), expected)
+
+
 def test_an_edit_of_mlp_input_reaches_the_mlp_alone_and_one_of_layer_mid_the_stream_too():
     model, hf_model = make()
     outputs = {}

@@ -16,11 +16,9 @@ from transformers import PretrainedConfig
 
 from ..attention import STANDARD, WITH_SINKS, EagerAttention
 from ..catalog import ATTENTION_INTERNALS, CATALOG
-from ..identity import SEQUENTIAL, A, Custom, Identity, M, PostNorm, Sum, X, native
+from ..identity import SEQUENTIAL, A, Custom, Identity, M, PostNorm, Sum, Terms, X, native
 from ..locations import At, Location, SameAs, Unavailable, input, output
 from ..sourced import sourced
-
-Terms = dict[str, torch.Tensor]
 
 
 class FrozenDict(dict):
