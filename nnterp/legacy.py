@@ -101,6 +101,13 @@ class LegacyNames:
     of ``StandardizedTransformer``; plain methods and explicit calls: the class travels by value to remote servers)."""
 
     @property
+    def _model(self):
+        """1.x name: the transformers model itself, ``model._module``. A read-only property, never in the instance's
+        ``__dict__``: pickling and copying the model leave it out."""
+        deprecated("model._model", "model._module")
+        return self._module
+
+    @property
     def layers_input(self) -> ValueList:
         """1.x name: ``layers_input[i]`` is the standard ``layer_input``."""
         deprecated("model.layers_input[i]", "model.layers[i].layer_input")

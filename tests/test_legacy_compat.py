@@ -1,5 +1,6 @@
 """nnterp 1.3.0's tests that failed on the 1.x shims: ``get_ignores``, the final norm on the backbone, ``steer``'s one
-warning, and 1.x's rename options (taken where they name what the family spec places, refused where they contradict).
+warning, and 1.x's rename options (taken where they name what the family spec places, refused where they contradict);
+and 1.x client code that reached the transformers model through ``model._model``.
 
 Ground truth: plain PyTorch forward hooks on a copy of the unwrapped model, and its module tree.
 """
@@ -18,7 +19,7 @@ from nnsight import LanguageModel
 from nnterp import StandardizedTransformer
 
 from .conftest import build_tiny, tiny_tokenizer
-from .hooks import capture_once
+from .hooks import capture_once, output_tensor
 from .test_families import CASES
 
 IDS = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
@@ -174,3 +175,54 @@ def test_module_accessor_takes_a_rename_config_that_agrees():
         assert accessor.nn_model.layers[0].self_attn.query._module is hf_model.model.layers[0].self_attn.q_proj
         with pytest.raises(TypeError, match=re.escape("names model.layers.*.mlp as self_attn")):
             ModuleAccessor(hf_model, rename_config=RenameConfig(attn_name="mlp"))
+
+
+def test_a_1x_client_reads_the_transformers_model_at_model_dot_model():
+    """1.x's ``model._model`` was the transformers model: 1.x code read its submodules there, applied the final norm
+    and the unembedding by hand, and patched across the traces of a session. Ground truth: plain forwards of a copy,
+    with a forward hook for the patch."""
+    from transformers import GPT2LMHeadModel
+
+    hf_model = tiny("gpt2")
+    twin = copy.deepcopy(hf_model)
+    last = twin.config.n_layer - 1
+    with torch.no_grad():
+        logits = twin(input_ids=IDS).logits
+        source = {}
+        handle = twin.transformer.h[1].register_forward_hook(lambda m, a, o: source.setdefault("x", output_tensor(o)))
+        twin(input_ids=IDS[:1])
+        handle.remove()
+
+        def patch(module, args, output):
+            hidden = output_tensor(output).clone()
+            hidden[:, -1] = source["x"][:, -1]
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        handle = twin.transformer.h[1].register_forward_hook(patch)
+        patched_truth = twin(input_ids=IDS[1:]).logits
+        handle.remove()
+
+    model = StandardizedTransformer(hf_model, tokenizer=tiny_tokenizer())
+    with pytest.warns(DeprecationWarning, match=re.escape("model._model is nnterp 1.x's spelling: use model._module")):
+        hf = model._model
+    assert hf is hf_model and hf is model._module
+
+    # 1.x client code, as written
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert isinstance(model._model, GPT2LMHeadModel) and len(model._model.transformer.h) == last + 1
+        assert torch.equal(model._model.transformer.wte(IDS), twin.transformer.wte(IDS))
+        with torch.no_grad(), model.trace(IDS):
+            hidden = model.layers_output[last].save()
+            lens = model._model.lm_head(model._model.transformer.ln_f(hidden)).save()
+        with torch.no_grad():
+            by_hand = model._model.transformer.ln_f(hidden) @ model._model.lm_head.weight.T
+        with torch.no_grad(), model.session():
+            with model.trace(IDS[:1]):
+                stream = model.layers_output[1]
+            with model.trace(IDS[1:]):
+                model.layers_output[1][:, -1] = stream[:, -1]
+                patched = model.logits.save()
+    assert torch.equal(lens, logits)
+    assert torch.equal(by_hand, logits)
+    assert torch.equal(patched, patched_truth) and not torch.equal(patched, logits[1:])
