@@ -117,7 +117,10 @@ class Dictionary:
 
     # -- the math ---------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """The features of ``x`` (``[..., d_in]``), ``[..., d_sae]``, in the dictionary's dtype."""
+        """The features of ``x`` (``[..., d_in]``), ``[..., d_sae]``, in the dictionary's dtype; zero at the vectors it
+        cannot encode, where the producer's math gives NaN or features of nothing: a zero vector of a dictionary that
+        normalizes by the norm (constant_norm_rescale), a constant one (zero too) of one that normalizes by the
+        spread (layer_norm), and any vector whose features are not finite."""
         return self._encode(x)[0]
 
     def decode(self, features: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +133,7 @@ class Dictionary:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The reconstruction of ``x`` (a transcoder's prediction of its output site, skip connection included)."""
-        features, scale = self._encode(x)
+        features, scale, _ = self._encode(x)
         return self._decode(features, scale) + self.skip(x)
 
     __call__ = forward
@@ -139,12 +142,33 @@ class Dictionary:
         """A transcoder's skip connection ``x @ W_skip.T`` (0 without one)."""
         return 0 if self.W_skip is None else self._cast(x) @ self._on(self.W_skip, x).T
 
-    def direction(self, feature: int) -> torch.Tensor:
-        """The decoder's direction of ``feature`` (``[d_out]``): what one unit of it adds at the output site
-        (``steered_generate(model, prompts, layer, d.direction(f), value=d.site[1], factor=...)`` steers with it)."""
+    def direction(self, feature: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        """What one unit of ``feature`` adds at the output site, ``decode(e_f, x) - decode(0, x)``: the decoder's row
+        ``W_dec[feature]`` (``[d_out]``, the producer's rescalings folded in: a norm scaling factor, a finetuning
+        scale), which ``steered_generate(model, prompts, layer, d.direction(f), value=d.site[1], factor=...)``
+        steers with. A dictionary that normalizes its input and undoes it in the decoder (``normalize``, not a
+        transcoder: SAELens's transcoders do not undo it) multiplies the row by each vector's own statistic, its
+        norm over ``sqrt(d_in)`` (constant_norm_rescale) or its standard deviation (layer_norm): no one vector is
+        what a unit adds, so ``direction(feature)`` is refused there and ``direction(feature, x)`` gives it at the
+        input ``x`` (``[..., d_out]``; zero where ``x`` is a zero or constant vector)."""
+        self._feature(feature)
+        if self.normalize == "none" or self.transcoder:
+            return self.W_dec[feature]
+        if x is None:
+            raise DictionaryError(
+                f"This dictionary normalizes its input ({self.normalize}) and its decoder undoes it, so what one unit "
+                f"of feature {feature} adds is W_dec[{feature}] times a statistic of each input vector ("
+                + ("its norm / sqrt(d_in)" if self.normalize == "constant_norm_rescale" else "its standard deviation")
+                + "), no one vector: direction(feature, x) gives it at the input x; to add a feature where the model "
+                "runs, splice the dictionary and edit the feature (nnterp.splice); W_dec[feature] is the decoder's row.")
+        x = self._cast(x)
+        return self._unscale(self._on(self.W_dec, x)[feature], self._scale(x), shift=False)
+
+    def _feature(self, feature: int) -> int:
+        """``feature``, checked: a clear IndexError for a feature the dictionary does not have."""
         if not -self.d_sae <= feature < self.d_sae:
             raise IndexError(f"Feature {feature} is out of range: the dictionary has {self.d_sae} features.")
-        return self.W_dec[feature]
+        return feature
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> Dictionary:
         """The same dictionary with its tensors on ``device`` and in ``dtype`` (a new object)."""
@@ -178,32 +202,45 @@ class Dictionary:
         return None
 
     def _encode(self, x):
+        """``(features, scale, encoded)``: ``encoded`` (``[..., 1]``) is False at the vectors the dictionary cannot
+        encode, a zero (or, for layer_norm, constant) vector it normalizes or a non-finite result; their features
+        are zero, and a splice keeps their value."""
         x = self._cast(x)
         scale = self._scale(x)
+        encoded = None
+        if self.normalize != "none":  # the divisor: |x| / sqrt(d_in), or the spread; zero has no direction
+            divisor = scale[0] if self.normalize == "constant_norm_rescale" else scale[2]
+            encoded = divisor.isfinite() & (divisor > 0)
         if self.normalize == "constant_norm_rescale":
-            x = x / scale[0]
+            x = x / divisor.where(encoded, 1)  # not 0 / 0, whose NaN would reach the gradients too
         elif self.normalize == "layer_norm":
             x = (x - scale[1]) / (scale[2] + 1e-5)
         if self.center is not None:
             x = x - self._on(self.center, x)
+        features = self._activate(x)
+        finite = features.isfinite().all(dim=-1, keepdim=True)
+        encoded = finite if encoded is None else encoded & finite
+        return features.where(encoded, 0), scale, encoded
+
+    def _activate(self, x):
         W_enc = self._on(self.W_enc, x)
         if self.activation == "gated":
             gate = (x @ W_enc + self._on(self.b_enc, x)) > 0
             magnitude = x @ (W_enc * self._on(self.r_mag, x).exp()) + self._on(self.b_mag, x)
-            return gate.to(x.dtype) * torch.relu(magnitude), scale
+            return gate.to(x.dtype) * torch.relu(magnitude)
         pre = x @ W_enc + self._on(self.b_enc, x)
         if self.activation == "identity":
-            return pre, scale
+            return pre
         if self.activation == "relu":
-            return torch.relu(pre), scale
+            return torch.relu(pre)
         if self.activation == "jumprelu":
-            return torch.relu(pre) * (pre > self._on(self.threshold, x)).to(pre.dtype), scale
+            return torch.relu(pre) * (pre > self._on(self.threshold, x)).to(pre.dtype)
         if self.activation == "topk":
             top = pre.topk(self.k, dim=-1, sorted=False)
-            return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu()), scale
+            return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu())
         groups = torch.relu(pre).unflatten(-1, (self.k, -1)).max(dim=-1)  # groupmax: the largest of each group
         dense = torch.zeros_like(pre).unflatten(-1, (self.k, -1))
-        return dense.scatter_(-1, groups.indices.unsqueeze(-1), groups.values.unsqueeze(-1)).flatten(-2), scale
+        return dense.scatter_(-1, groups.indices.unsqueeze(-1), groups.values.unsqueeze(-1)).flatten(-2)
 
     def _decode(self, features, scale):
         out = features.to(self.dtype) @ self._on(self.W_dec, features) + self._on(self.b_dec, features)

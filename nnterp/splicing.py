@@ -11,8 +11,10 @@ if it is made before the body asks for anything later. A splice makes that windo
 On entering, the splice reads the dictionary's site and encodes it; on leaving, it writes
 ``decode(features) + error`` back, where ``error = value - decode(original features)``. It is computed as
 ``value + decode(features) - decode(original features)``, so an unedited splice changes nothing, bit for bit,
-and an edit adds exactly what it changes in the decoder's output. Reading a later value of the model inside the
-``with`` block moves the model past the site, where the edit can no longer go: refused when the block ends.
+and an edit adds exactly what it changes in the decoder's output. A vector the dictionary cannot encode (a zero
+vector it normalizes, as at a left-padded batch's pad positions) keeps its value, its features zero. Reading a
+later value of the model inside the ``with`` block moves the model past the site, where the edit can no longer
+go: refused when the block ends.
 Several dictionaries splice in one pass one ``with`` block after another, in forward order. A transcoder reads
 its input site and writes its output site (the MLP it stands for replaced by its features, the error kept).
 The splice reads and writes through ``model.read_value`` and ``model.write_value`` and ships the dictionary's
@@ -37,7 +39,9 @@ def splice(model, dictionary: Dictionary, *, keep_error: bool = True) -> Splice:
     """Inside a trace: ``with splice(model, dictionary) as features:`` gives the live feature activations at the
     dictionary's site; when the block ends the model goes on with ``decode(features) + error``, so edits of the
     features (in place, or ``splice.features = ...``) reach it. ``keep_error=False`` drops the error: the model
-    goes on with the reconstruction alone. After the block, ``.error`` and ``.reconstruction`` are readable."""
+    goes on with the reconstruction alone. After the block, ``.error`` and ``.reconstruction`` are readable. Where
+    the dictionary cannot encode the value (``.unencoded``: a zero vector it normalizes, a non-finite result), the
+    features are zero and the model goes on with the value as it was."""
     return Splice(model, dictionary, keep_error)
 
 
@@ -65,7 +69,8 @@ class Splice:
         layer, value = self.site
         live = self.model.read_value(layer, value)
         flat = _flat(live, self.dictionary.d_in, self.site)
-        features, self._scale = self.dictionary._encode(flat)  # of the live value: gradients reach the features
+        # of the live value: gradients reach the features
+        features, self._scale, self._encoded = self.dictionary._encode(flat)
         self._input = flat.detach().clone()
         self._original = features.detach().clone()
         self._live, self._mark = live, _position("nnterp.splice")
@@ -96,10 +101,21 @@ class Splice:
             new = target + dictionary._delta(features - self._original, self._scale).to(target.dtype)
         else:
             new = (dictionary._decode(features, self._scale) + dictionary.skip(self._input)).to(target.dtype)
+        # what the dictionary could not encode keeps its value: no NaN of a zero vector's norm spread by attention
+        new = new.where(self._encoded.to(new.device), target)
         self._output = target.detach().clone()
         self.model.write_value(layer, value, new.reshape(live.shape))
         self._state = "closed"
         return False
+
+    @property
+    def unencoded(self) -> torch.Tensor:
+        """Where the dictionary could not encode the site's value, ``[batch, seq]``, True there: a zero vector of a
+        dictionary that normalizes its input by its norm (a left-padded batch's pad positions, where attention has
+        nothing to attend to), a constant one where it normalizes by its spread, a non-finite result. The features
+        there are zero, and the model goes on with the value as it was, edited or not."""
+        self._require("open", "closed")
+        return ~self._encoded[..., 0]
 
     @property
     def reconstruction(self) -> torch.Tensor:
@@ -198,7 +214,7 @@ def top_activations(model, dictionary: Dictionary, prompts: str | Sequence[str],
     ``(activation, prompt index, position among the prompt's own tokens, token)`` (the token shown readable)."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     layer, value = place(model, dictionary, "site")
-    dictionary.direction(feature)  # a clear IndexError for a feature the dictionary does not have
+    dictionary._feature(feature)  # a clear IndexError for a feature the dictionary does not have
     found = []
     for start in range(0, len(prompts), batch_size):
         inputs = model.tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True)

@@ -36,9 +36,10 @@ def model_of(case, dtype=torch.float32):
     return MODELS[(case, dtype)]
 
 
-def hooked(case, sites, edits=None, dtype=torch.float32):
+def hooked(case, sites, edits=None, dtype=torch.float32, inputs=None):
     """A plain forward of the unwrapped model: ``({(layer, value): tensor}, logits)`` at ``sites``, with
-    ``edits[(layer, value)](x) -> x'`` applied there (a block's input in place: the stream it goes on with)."""
+    ``edits[(layer, value)](x) -> x'`` applied there (a block's input in place: the stream it goes on with), on
+    ``IDS`` or ``inputs`` (the model's keyword arguments: a padded batch's ids, mask and positions)."""
     model, hf, truth = model_of(case, dtype)
     captured, handles = {}, []
     for layer, value in sites:
@@ -63,7 +64,7 @@ def hooked(case, sites, edits=None, dtype=torch.float32):
             handles.append(module.register_forward_hook(post))
     try:
         with torch.no_grad():
-            logits = hf(input_ids=IDS).logits
+            logits = hf(**(inputs or {"input_ids": IDS})).logits
     finally:
         for handle in handles:
             handle.remove()

@@ -137,12 +137,14 @@ SAES = {  # id: (SAELens class, its config's fields)
     "skip_transcoder": ("SkipTranscoder", {"apply_b_dec_to_input": False, "d_out": D_OUT}),
     "jumprelu_transcoder": ("JumpReLUTranscoder", {"apply_b_dec_to_input": False, "d_out": D_OUT}),
     "jumprelu_skip_transcoder": ("JumpReLUSkipTranscoder", {"apply_b_dec_to_input": False, "d_out": D_OUT}),
+    "transcoder-constant_norm_rescale": ("Transcoder", {"apply_b_dec_to_input": False, "d_out": D_OUT,
+                                                        "normalize_activations": "constant_norm_rescale"}),
 }
 
 
-@pytest.mark.parametrize("variant", list(SAES))
-def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(variant, tmp_path):
-    name, extra = SAES[variant]
+def saved_sae(name, extra, folder):
+    """A SAELens SAE (class ``name``, config fields ``extra``) of random weights, saved by its ``save_model`` into
+    ``folder``: (the SAE, whether a transcoder)."""
     transcoder = "Transcoder" in name
     sae_class = getattr(sae_lens, name)
     config = getattr(sae_lens, f"{name}Config")(d_in=D_IN, d_sae=D_SAE, **extra)
@@ -157,7 +159,13 @@ def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(variant, tmp_p
             if parameter_name == "threshold":
                 parameter.abs_()
     sae.eval()
-    sae.save_model(tmp_path / "saved")
+    sae.save_model(folder)
+    return sae, transcoder
+
+
+@pytest.mark.parametrize("variant", list(SAES))
+def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(variant, tmp_path):
+    sae, transcoder = saved_sae(*SAES[variant], tmp_path / "saved")
     dictionary = load_dictionary(tmp_path / "saved")
     x = torch.randn(3, 5, D_IN)
     with torch.no_grad():
@@ -173,3 +181,41 @@ def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(variant, tmp_p
         assert dictionary.out_site == (2, "mlp_output")
     else:
         assert dictionary.site == (2, "layer_output")
+
+
+DIRECTIONS = {**{variant: SAES[variant] for variant in (
+    "standard", "topk-rescaled", "standard-layer_norm", "standard-constant_norm_rescale", "transcoder",
+    "transcoder-constant_norm_rescale")},
+    "standard-expected_average": ("StandardSAE", {"normalize_activations": "expected_average_only_in"})}
+
+
+@pytest.mark.parametrize("variant", DIRECTIONS)
+def test_a_direction_is_what_one_unit_of_the_feature_adds_to_saelenss_decoding(variant, tmp_path):
+    """``decode(e_f) - decode(0)`` by SAELens, at an input: one vector where the decoder undoes no normalization of
+    that input, the row times each vector's norm or spread where it does (then refused without the input)."""
+    scaled = variant == "standard-expected_average"  # trained on activations times a norm scaling factor
+    sae, _ = saved_sae(*DIRECTIONS[variant], tmp_path / "saved")
+    dictionary = load_dictionary(tmp_path / "saved", scaling_factor=0.5 if scaled else None)
+    if scaled:
+        sae.fold_activation_norm_scaling_factor(0.5)  # as SAELens loads it, and as nnterp reads it
+    x = torch.randn(3, 5, D_IN)
+    x[1, 2] *= 10.0  # another norm, another spread
+    feature = 7
+    one = torch.zeros(3, 5, D_SAE)
+    one[..., feature] = 1.0
+
+    def decoded(features):
+        sae.encode(x)  # SAELens's decode undoes the normalization statistics of its last encode
+        return sae.decode(features)
+
+    with torch.no_grad():
+        added = decoded(one) - decoded(torch.zeros_like(one))
+    if sae.cfg.normalize_activations == "none" or "transcoder" in variant:  # one vector for every input
+        direction = dictionary.direction(feature)
+        assert direction.shape == added.shape[-1:]
+        torch.testing.assert_close(direction.expand_as(added), added, atol=1e-5, rtol=1e-5)
+        return
+    with pytest.raises(ValueError, match=r"direction\(feature, x\) gives it at the input x"):
+        dictionary.direction(feature)
+    torch.testing.assert_close(dictionary.direction(feature, x), added, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(added[1, 2], added[0, 0], atol=1e-3)  # it depends on the input
