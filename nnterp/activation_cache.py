@@ -9,7 +9,7 @@ final norm's input and output, from which the norms' scales of the pass are read
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import nnsight
 import torch
@@ -47,13 +47,15 @@ class ActivationCache:
     def __init__(self, values: dict[tuple[str, int], torch.Tensor], names: list[str], layers: list[int],
                  unavailable: dict[tuple[str, int], ValueUnavailable], num_layers: int,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None,
-                 readout: dict[str, torch.Tensor] | None = None, prompt_length: int | None = None):
+                 readout: dict[str, torch.Tensor] | None = None, prompt_length: int | None = None,
+                 steered: tuple[str, ...] = ()):
         self._values, self._unavailable = values, unavailable
         self.names, self.layers, self.num_layers = names, layers, num_layers
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.model, self._readout = model, readout or {}
         # a generation's cache: the prompt's columns, then one per step after the first (run_with_cache)
         self.prompt_length = input_ids.shape[1] if prompt_length is None else prompt_length
+        self.steered = steered  # where the pass was steered (run_with_cache(steer=...)): "layers[5].layer_output"
 
     @property
     def steps(self) -> int:
@@ -280,6 +282,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
         plan[layer] = [(keys.get(key, key), location) for _, key, location in model.timeline(layer)
                        if key in keys or (not explicit and key.startswith("extra."))]
     passes = _with_steering(model, plan, steering)
+    steered = tuple(dict.fromkeys(f"layers[{at}].{name}" for at, name in steering))
     if not (explicit or generating):
         passes = {layer: _with_routing(model, layer, events) for layer, events in passes.items()}
     final_norm = model.family.ln_final is not None
@@ -291,7 +294,8 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
             logits = nnsight.save(model.logits.detach())
         names = [name for name in names if any((name, layer) in values for layer in layers)]  # those it holds
         return logits, ActivationCache(values, names, list(dict.fromkeys(layers)), unavailable, model.num_layers,
-                                       inputs["input_ids"], inputs["attention_mask"], model, readout)
+                                       inputs["input_ids"], inputs["attention_mask"], model, readout,
+                                       steered=steered)
     generate_kwargs.setdefault("do_sample", False)  # greedy: reproducible, and the RNG is left as it was
     generate_kwargs["min_new_tokens"] = max_new_tokens  # every step is reached
     with torch.no_grad(), model.generate(inputs, max_new_tokens=max_new_tokens, remote=remote,
@@ -309,7 +313,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     mask = torch.cat([inputs["attention_mask"], torch.ones_like(ran[:, prompt:])], dim=1)
     names = [name for name in names if any((name, layer) in values for layer in layers)]
     return ids, ActivationCache(values, names, list(dict.fromkeys(layers)), unavailable, model.num_layers, ran, mask,
-                                model, readout, prompt_length=prompt)
+                                model, readout, prompt_length=prompt, steered=steered)
 
 
 # the attention values that span the positions of earlier steps (its KV cache) in a generation step
@@ -394,7 +398,20 @@ def _final_norm(model) -> dict[str, torch.Tensor]:
 
 
 def _inputs(model, prompts) -> BatchEncoding:
-    """The batch a trace runs on: strings tokenized as the model's traces tokenize them, or ids as given."""
+    """The batch a trace runs on: strings tokenized as the model's traces tokenize them, or ids as given (a tensor,
+    or a tokenizer's output: a mapping with ``input_ids`` and, for a padded batch, ``attention_mask``)."""
+    if isinstance(prompts, Mapping):
+        if "input_ids" not in prompts:
+            raise TypeError(f"A mapping of inputs holds 'input_ids' (and 'attention_mask'), as a tokenizer returns; "
+                            f"this one has {sorted(prompts)}.")
+        ids = _inputs(model, prompts["input_ids"])["input_ids"]
+        mask = prompts.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
+        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}: give one "
+                             "mask entry per token.")
+        return BatchEncoding({"input_ids": ids, "attention_mask": mask})
     if isinstance(prompts, torch.Tensor):
         ids = prompts.unsqueeze(0) if prompts.dim() == 1 else prompts
         if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):

@@ -28,6 +28,7 @@ sums are exact; everything computed from it (norms, heads, neurons, attributions
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,32 @@ class AnalysisUnavailable(NNterpError, ValueError):
 
 def _refuse(model, what: str, reason: str):
     raise AnalysisUnavailable(f"{what} is unavailable on {model.family.name}: {reason}.")
+
+
+class NonFiniteValues(NNterpError, ValueError):
+    """The pass holds NaN or infinite values where an analysis reads it: the values are at fault, not the family."""
+
+
+def _why_not_exact(cache, what: str, reads: list[tuple[str, torch.Tensor]], where: str) -> None:
+    """Before blaming the family for ``where`` not being what its identity computes: raise ``NonFiniteValues`` naming
+    the first value of ``reads`` (``(label, tensor [batch, seq, ...])``) with a NaN or infinity, and the prompt and
+    position; ``AnalysisUnavailable`` naming the steering where the cache's pass was steered. Returns otherwise."""
+    for label, tensor in reads:
+        bad = ~torch.isfinite(tensor)
+        if bad.any():
+            prompt, position = bad.nonzero()[0].tolist()[:2]
+            value = tensor[prompt, position][bad[prompt, position]].flatten()[0].item()
+            raise NonFiniteValues(
+                f"{what}: in this pass, {label} is {value} at prompt {prompt}, position {position}, so {where} cannot be "
+                "checked against the blocks' identities. The values are not finite (the pass overflowed, or an input "
+                "or an edit brought the NaN), not the model's structure; find where it first appears with "
+                "cache[name, layer].isfinite().all(-1).")
+    steered = getattr(cache, "steered", ())
+    if steered:
+        raise AnalysisUnavailable(
+            f"{what} is unavailable on this cache: its pass was steered at {', '.join(steered)} (run_with_cache(..., "
+            f"steer=...)) and a steered value is cached as steered, so {where} is not what the cached values add up "
+            "to; decompose a cache of the unsteered pass.")
 
 
 # -- a block's identity as an addition tree ------------------------------------------------------
@@ -229,6 +256,24 @@ def _take(tensor: torch.Tensor, index, dim: int) -> torch.Tensor:
     return tensor.index_select(dim, torch.as_tensor(index, dtype=torch.long, device=tensor.device))
 
 
+def _warn_if_pads(cache, pos_slice, what: str) -> None:
+    """``pos_slice`` picks columns of the batch, as TransformerLens's does, not each prompt's own positions: warn
+    where a column it picks is padding for some prompt (the short prompts' last tokens are not at -1 when the
+    tokenizer pads on the right)."""
+    mask = getattr(cache, "attention_mask", None)
+    if pos_slice is None or mask is None or bool(mask.all()):
+        return
+    pads = _take(mask, pos_slice, -1) == 0
+    if pads.any():
+        prompts = sorted(set(pads.nonzero()[:, 0].tolist()))
+        side = "right" if bool((mask[:, -1] == 0).any()) else "left"
+        warnings.warn(f"{what}: pos_slice={pos_slice!r} picks columns of the batch, and they are padding for prompt(s) "
+                      f"{prompts} of this batch, padded on the {side}: those prompts' rows there are a pad's. Pad on "
+                      "the left (as the model's traces do) for pos_slice=-1 to be each prompt's last token, or pick "
+                      "positions per prompt (cache.attention_mask.sum(-1) - 1 is each one's last under right padding).",
+                      UserWarning, stacklevel=3)
+
+
 def _value(cache, name: str, layer: int) -> torch.Tensor:
     """Block ``layer``'s value ``name``, or its identity's extra term ``name``."""
     return cache[name if name in BY_NAME else f"extra.{name}", layer]
@@ -320,6 +365,10 @@ def _chain(cache, parts, rows, embed: torch.Tensor, pos_slice, what: str) -> tor
             _refuse(model, what, f"{where} has shape {list(truth.shape)}, block {block.layer}'s values "
                                  f"{list(stream.shape)}: the model adds positions or streams the values do not hold")
         if not torch.equal(truth, stream):
+            reads = [(f"block {block.layer}'s {name}", _value(cache, name, block.layer))
+                     for name in ("layer_input", *(term.name for term in block.terms))]
+            reads.append((where, cache["layer_mid", block.layer] if partial else stream_at(cache, block.layer + 1)))
+            _why_not_exact(cache, what, reads, where)
             _refuse(model, what, f"{where} is not block {block.layer}'s identity of its values: the model changes "
                                  "the stream between its blocks")
     return stream
@@ -343,6 +392,7 @@ def decompose_resid(cache, layer: int | None = None, mlp_input: bool = False, mo
     """
     what = "decompose_resid"
     model = cache.model
+    _warn_if_pads(cache, pos_slice, what)
     if mode not in MODES:
         raise ValueError(f"decompose_resid's mode is 'all', 'attn' or 'mlp', not {mode!r}.")
     layer = _layer(model, layer, what)
@@ -389,6 +439,7 @@ def accumulated_resid(cache, layer: int | None = None, incl_mid: bool = False, a
     block ``layer``'s. ``apply_ln=True`` norms each row as the norm that reads the last row would: the final
     norm with each row's own statistics (the logit lens), a block's norm at its frozen scale of the pass."""
     model = cache.model
+    _warn_if_pads(cache, pos_slice, "accumulated_resid")
     layer = _layer(model, layer, "accumulated_resid")
     labels, rows = [], []
     for i in range(layer + 1):
@@ -496,14 +547,38 @@ def frozen_norm(cache, layer: int | None = None, mlp_input: bool = False) -> Fro
     u = u if gain is None else u * gain
     r = y.float() if bias is None else y.float() - bias
     numerator, denominator = (u * u).sum(-1, keepdim=True), (u * r).sum(-1, keepdim=True)
-    scale = torch.where(denominator != 0, numerator / denominator, torch.ones_like(numerator))
+    # where the norm's input is flat (zero after centring: a pad's zero stream), its output says nothing of the
+    # scale, which is then the norm's sqrt(eps) (TransformerLens's hook_scale there)
+    flat = denominator == 0
+    scale = numerator / torch.where(flat, 1, denominator)
+    if flat.any():
+        scale = torch.where(flat, _flat_scale(module, centred, gain, bias, x), scale)
     predicted = u / scale + (0 if bias is None else bias)
     difference = _far(predicted, y, y.dtype) if y.shape == x.shape else 1.0
     if difference is not None:
+        _why_not_exact(cache, what, [(reads, x), (f"{label}'s output", y)], f"{label}'s output")
         _refuse(model, what, f"{label} ({type(module).__name__}) is not, in this pass, {reads} normed at one scale "
                              f"per position as a LayerNorm or an RMSNorm does (relative difference {difference:.2g}), "
                              "so it cannot be frozen")
     return FrozenNorm(label, centred, scale, gain, bias)
+
+
+def _flat_scale(module: nn.Module, centred: bool, gain, bias, like: torch.Tensor) -> float:
+    """What the norm divides by where its input is flat (zero after centring): ``sqrt(eps)``, its declared epsilon
+    (transformers' norms name it one of these), or else read off its output on a small probe."""
+    for name in ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value) ** 0.5
+    probe = torch.full((1, 1, like.shape[-1]), 1e-3)
+    probe[..., ::2] = -1e-3
+    probe = probe - probe.mean(-1, keepdim=True) if centred else probe
+    with torch.no_grad():
+        y = native(module, probe.to(like.device, like.dtype)).float()
+    u = probe.to(like.device) if gain is None else probe.to(like.device) * gain
+    r = y if bias is None else y - bias
+    scale = ((u * u).sum() / (u * r).sum()).item()
+    return max(scale * scale - probe.pow(2).mean().item(), 0.0) ** 0.5
 
 
 def _norm_form(model, module: nn.Module, x: torch.Tensor, label: str) -> tuple[bool, float]:
@@ -621,6 +696,18 @@ def _sublayer_output_check(model, layer, total, output, path, value, what):
         _refuse(model, what, f"block {layer}'s {value} is not its projection {path}'s output (relative difference "
                              f"{difference:.2g}): the block norms, scales or gates it after the projection, so the "
                              "projection's parts do not sum to it")
+
+
+def _contribution(model, layer: int, name: str, what: str) -> Term:
+    """Block ``layer``'s term of ``name`` in its identity: how the sublayer's output reaches the stream (Granite's
+    times ``residual_multiplier``). A block whose identity is not the stream plus contributions (a gate or scalar on
+    the stream, a norm after the add: post-norm OPT) is refused, as ``decompose_resid`` refuses it: no head or neuron
+    there adds a fixed row to the stream."""
+    terms = [term for term in block_sum(model, layer, what).terms if term.name == name]
+    if not terms:
+        _refuse(model, what, f"block {layer}'s identity, {model.block_spec(layer).formula}, does not add its {name} "
+                             "to the stream")
+    return terms[0]
 
 
 def _has(model, layer: int, name: str) -> bool:
@@ -842,18 +929,22 @@ def _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, retu
 def stack_head_results(cache, layer: int | None = -1, return_labels: bool = False, incl_remainder: bool = False,
                        pos_slice=None, apply_ln: bool = False):
     """Every attention head's share of the stream, for the blocks before ``layer`` (-1 or None: all):
-    ``[heads, batch, pos, hidden]``, labelled ``L{i}H{h}`` (``head_results``). A block whose token mixer is not
-    attention has none. ``incl_remainder`` adds the rest of the stream at ``layer`` (embeddings, projection
+    ``[heads, batch, pos, hidden]``, labelled ``L{i}H{h}`` (``head_results``), each as it reaches the stream
+    (Granite's times ``residual_multiplier``): a block's heads and its projection's bias sum to its row of
+    ``decompose_resid``. A block whose token mixer is not attention has none; a family whose blocks are not the
+    stream plus contributions is refused, as ``decompose_resid`` is. ``incl_remainder`` adds the rest of the stream at ``layer`` (embeddings, projection
     biases, MLPs, other mixers) as ``remainder``; ``apply_ln`` passes the rows through the norm that reads that
     stream, frozen (its bias a row of its own with ``incl_remainder``)."""
     model = cache.model
+    _warn_if_pads(cache, pos_slice, "stack_head_results")
     layer = _layer(model, layer, "stack_head_results")
     per_layer = []
     for i in range(layer):
         if not _has(model, i, "attention_output"):
             continue  # a token mixer that is not attention: no heads
         _available(model, i, "attention_premix", "stack_head_results")
-        results = head_results(cache, i, pos_slice)
+        results = head_results(cache, i, pos_slice)  # checked against attention_output first: its reason first
+        results = _contribution(model, i, "attention_output", "stack_head_results").of(results)
         per_layer.append((results, [f"L{i}H{h}" for h in range(results.shape[0])]))
     return _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, return_labels)
 
@@ -861,7 +952,8 @@ def stack_head_results(cache, layer: int | None = -1, return_labels: bool = Fals
 def stack_neuron_results(cache, layer: int | None, pos_slice=None, neuron_slice=None, return_labels: bool = False,
                          incl_remainder: bool = False, apply_ln: bool = False):
     """Every MLP neuron's share of the stream, for the blocks before ``layer`` (-1 or None: all):
-    ``[neurons, batch, pos, hidden]``, labelled ``L{i}N{n}`` (``neuron_results``); ``neuron_slice`` picks the
+    ``[neurons, batch, pos, hidden]``, labelled ``L{i}N{n}`` (``neuron_results``), each as it reaches the stream
+    (as ``stack_head_results``'s heads); ``neuron_slice`` picks the
     neurons of each block. A routed mixture of experts gives each expert's neurons, ``L{i}E{e}N{n}``
     (``expert_neuron_results``: the router's weight times the activation times the down projection's column, zero
     on tokens not routed to the expert), numbered expert by expert for ``neuron_slice`` (``e * neurons + n``); its
@@ -870,6 +962,7 @@ def stack_neuron_results(cache, layer: int | None, pos_slice=None, neuron_slice=
     (``x experts`` on a routed block)."""
     model = cache.model
     what = "stack_neuron_results"
+    _warn_if_pads(cache, pos_slice, what)
     layer = _layer(model, layer, what)
     per_layer = []
     for i in range(layer):
@@ -879,10 +972,12 @@ def stack_neuron_results(cache, layer: int | None, pos_slice=None, neuron_slice=
             if not _expert_modules(model, i):  # a dense MLP without them: its own reason
                 _available(model, i, "mlp_neurons", what)
             rows, pairs = expert_neuron_results(cache, i, neuron_slice, pos_slice)
-            per_layer.append((rows, [f"L{i}E{e}N{n}" for e, n in pairs]))
-            continue
-        chosen = _take(torch.arange(cache["mlp_neurons", i].shape[-1]), neuron_slice, 0).reshape(-1)
-        per_layer.append((neuron_results(cache, i, neuron_slice, pos_slice), [f"L{i}N{int(n)}" for n in chosen]))
+            labels = [f"L{i}E{e}N{n}" for e, n in pairs]
+        else:
+            rows = neuron_results(cache, i, neuron_slice, pos_slice)
+            chosen = _take(torch.arange(cache["mlp_neurons", i].shape[-1]), neuron_slice, 0).reshape(-1)
+            labels = [f"L{i}N{int(n)}" for n in chosen]
+        per_layer.append((_contribution(model, i, "mlp_output", what).of(rows), labels))
     return _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, return_labels)
 
 
@@ -931,6 +1026,7 @@ def logit_attrs(cache, residual_stack: torch.Tensor, tokens, incorrect_tokens=No
     ``(attributions, labels)`` with the bias rows' labels added."""
     model = cache.model
     what = "logit_attrs"
+    _warn_if_pads(cache, pos_slice, what)
     family = model.family
     asked = labels is not None
     config = model.config

@@ -140,11 +140,12 @@ def analyses(family: Family) -> dict[str, str | None]:
 
 
 @functools.cache
-def _analyses(name: str) -> dict[str, str | None]:
+def tiny_cache(name: str):
+    """``(model, cache)``: family ``name``'s test config as a tiny model (random weights moved off 0 and 1) and its
+    ``run_with_cache`` of 5 tokens; or ``(model, RunNotChosen)`` where a looped section has no value per block."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .analysis import SERVED, refusal
     from .registry import _placeholder_tokenizer
     from .standardized import StandardizedTransformer
 
@@ -157,12 +158,21 @@ def _analyses(name: str) -> dict[str, str | None]:
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
         model = StandardizedTransformer(hf_model, tokenizer=_placeholder_tokenizer())
         try:
-            _, cache = model.run_with_cache(torch.arange(1, 6)[None])
+            return model, model.run_with_cache(torch.arange(1, 6)[None])[1]
         except RunNotChosen as error:  # a looped section: no cache of one value per block
-            reason = f"it reads a cache of run_with_cache, which has no single value per block here: {error}"
-            return dict.fromkeys(SERVED, reason.partition(", so")[0])
-        return {name: None if (why := refusal(cache, name)) is None else
-                re.sub(r" \(relative difference [^)]*\)", "", why) for name in SERVED}
+            return model, error
+
+
+@functools.cache
+def _analyses(name: str) -> dict[str, str | None]:
+    from .analysis import SERVED, refusal
+
+    _, cache = tiny_cache(name)
+    if isinstance(cache, RunNotChosen):
+        reason = f"it reads a cache of run_with_cache, which has no single value per block here: {cache}"
+        return dict.fromkeys(SERVED, reason.partition(", so")[0])
+    return {name: None if (why := refusal(cache, name)) is None else
+            re.sub(r" \(relative difference [^)]*\)", "", why) for name in SERVED}
 
 
 def _analyses_table(family: Family) -> list[str]:

@@ -155,7 +155,9 @@ def test_head_results_are_the_heads_slices_and_sum_to_the_hooked_attention_outpu
     r = run(case)
     heads, labels = r.cache.stack_head_results(return_labels=True)
     count = r.model.num_heads
+    factor = FACTOR.get(case, 1.0)  # a head's share as it reaches the stream
     assert labels == [f"L{i}H{h}" for i in range(r.n) for h in range(count)]
+    rows = dict(zip(*r.cache.decompose_resid(return_labels=True)[::-1]))
     for i in range(r.n):
         projection = r.hf.base_model_blocks[i].get_submodule(r.truth(i)["attention_premix"][0])
         weight, bias = linear_weight(projection), projection.bias
@@ -163,10 +165,11 @@ def test_head_results_are_the_heads_slices_and_sum_to_the_hooked_attention_outpu
         for h in range(count):  # one head: the projection of its slice alone, without the bias
             alone = premix.view(*premix.shape[:-1], count, -1).clone()
             alone[..., [k for k in range(count) if k != h], :] = 0
-            expected = torch.nn.functional.linear(alone.flatten(-2), weight)
+            expected = torch.nn.functional.linear(alone.flatten(-2), weight) * factor
             torch.testing.assert_close(heads[i * count + h], expected, rtol=1e-5, atol=1e-6)
-        total = heads[i * count:(i + 1) * count].sum(0) + (0 if bias is None else bias)
-        torch.testing.assert_close(total, hooked(r, i, "attention_output"), rtol=1e-5, atol=1e-5)
+        total = heads[i * count:(i + 1) * count].sum(0) + (0 if bias is None else bias * factor)
+        torch.testing.assert_close(total, hooked(r, i, "attention_output") * factor, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total, rows[f"{i}_attn_out"], rtol=1e-5, atol=1e-5)  # the layer's own row
     with_rest = r.cache.stack_head_results(incl_remainder=True)
     torch.testing.assert_close(with_rest.sum(0), final_stream(r), rtol=1e-5, atol=1e-5)
 
@@ -176,14 +179,17 @@ def test_neuron_results_sum_to_the_hooked_mlp_output(case):
     r = run(case)
     neurons, labels = r.cache.stack_neuron_results(None, return_labels=True)
     width = hooked(r, 0, "mlp_neurons").shape[-1]
+    factor = FACTOR.get(case, 1.0)
     assert labels == [f"L{i}N{n}" for i in range(r.n) for n in range(width)]
+    rows = dict(zip(*r.cache.decompose_resid(return_labels=True)[::-1]))
     for i in range(r.n):
         projection = r.hf.base_model_blocks[i].get_submodule(r.truth(i)["mlp_neurons"][0])
         weight, bias = linear_weight(projection), projection.bias
         activations = hooked(r, i, "mlp_neurons")
-        torch.testing.assert_close(neurons[i * width + 3], activations[..., 3, None] * weight[:, 3])
-        total = neurons[i * width:(i + 1) * width].sum(0) + (0 if bias is None else bias)
-        torch.testing.assert_close(total, hooked(r, i, "mlp_output"), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(neurons[i * width + 3], activations[..., 3, None] * weight[:, 3] * factor)
+        total = neurons[i * width:(i + 1) * width].sum(0) + (0 if bias is None else bias * factor)
+        torch.testing.assert_close(total, hooked(r, i, "mlp_output") * factor, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total, rows[f"{i}_mlp_out"], rtol=1e-5, atol=1e-5)
     some, labels = r.cache.stack_neuron_results(2, neuron_slice=[0, 5], pos_slice=-1, return_labels=True)
     assert labels == ["L0N0", "L0N5", "L1N0", "L1N5"] and some.shape == (4, len(IDS), r.model.hidden_size)
     assert torch.equal(some[3], neurons[width + 5][:, -1])
