@@ -40,7 +40,7 @@ from .errors import NNterpError, ValueUnavailable
 from .families.base import native
 from .locations import At
 from .sourced import sourced
-from .tokens import single_token
+from .tokens import token_ids
 from .validation import IDENTITY_TERMS
 
 SHORT = {"attention_output": "attn_out", "mixer_output": "mixer_out", "mlp_output": "mlp_out"}
@@ -1000,12 +1000,7 @@ def _directions(model, tokens, what: str) -> tuple[torch.Tensor, torch.Tensor | 
     head = model.lm_head._module
     if not isinstance(head, nn.Linear):
         _refuse(model, what, f"the head ({type(head).__name__}) is not one linear map")
-    if isinstance(tokens, (str, int)):
-        ids = torch.tensor(single_token(model, tokens, "The token"))
-    elif isinstance(tokens, torch.Tensor):
-        ids = tokens.long()
-    else:
-        ids = torch.tensor([single_token(model, t, "The token") for t in tokens])
+    ids = token_ids(model, tokens, "The token")
     ids = ids.to(head.weight.device)
     bias = None if head.bias is None else head.bias.detach().float()[ids]
     return head.weight.detach().float()[ids], bias

@@ -262,7 +262,7 @@ def names_page() -> str:
              "| `model.ln_final` | the final norm (absent where the head reads the last block's output) |",
              "| `model.lm_head` | the head |",
              "| `model.logits` | the output logits `[batch, seq, vocab]` |",
-             "| `model.next_token_probs` | the softmax of the last position's logits `[batch, vocab]` |",
+             "| `model.next_token_probs` | the softmax of the logits at each prompt's own last token `[batch, vocab]` |",
              "| `model.num_layers`, `hidden_size`, `num_heads`, `vocab_size` | sizes |", "",
              "Values of block `i`, in the forward order of a sequential pre-norm block "
              "(`model.order(i)` gives the order of the family at hand):", "",

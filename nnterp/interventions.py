@@ -12,14 +12,15 @@ from dataclasses import dataclass
 
 import nnsight
 import torch
-from nnsight.intervention.interleaver import Mediator
 
 from . import edits
 from .catalog import BY_NAME
 from .edits import Positions, skip_layers  # noqa: F401  (skip_layers: part of the toolkit's API)
 from .lens import logit_lens  # noqa: F401  (its 1.x import path)
 from .patching import activation_patching, attribution_patching  # noqa: F401  (the toolkit's API)
+from .readout import pass_attention_mask
 from .selection import forward_order, layer_indices, token_index, value_name
+from .tokens import single_token
 
 # -- steering -------------------------------------------------------------------------------------
 
@@ -48,27 +49,13 @@ def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", fac
 
 
 def _attention_mask(model) -> torch.Tensor | None:
-    """Inside a trace: the batch's ``[batch, seq]`` attention mask (None: no padding), from the model's inputs.
-
-    Read once per forward pass and kept on nnsight's mediator (one per invoke and trace), as
-    ``views.leading_shape`` keeps a block's shape, so a later ``add_to`` of the pass reuses it. A pass
-    is the occurrence of the model's output a request made now asks for: the same through a generation
-    step's pin and its relaxing after the step's first value.
-    """
-    mediator = Mediator.current("add_to's positions")
-    masks = mediator.__dict__.setdefault("_nnterp_attention_mask", {})
-    key = mediator.wanted(f"{model.path}.output")
-    if key not in masks:
-        if mediator.occurrence(f"{model.path}.input") > key:  # nnsight would wait for the next pass's inputs
-            raise ValueError("add_to(..., positions=...) finds each prompt's own tokens through the batch's attention "
-                             "mask, read from the model's inputs, and this forward pass has already run past them: "
-                             "call add_to before reading any value of the pass.")
-        mask = model.inputs[1].get("attention_mask")
-        if mask is not None and mask.dim() != 2:
-            raise ValueError(f"add_to(..., positions=...) needs the batch's [batch, seq] attention mask to find each "
-                             f"prompt's own tokens; this trace's attention mask has shape {tuple(mask.shape)}.")
-        masks[key] = mask
-    return masks[key]
+    """Inside a trace: the batch's ``[batch, seq]`` attention mask (None: no padding), read once per forward pass
+    (``readout.pass_attention_mask``), so a later ``add_to`` of the pass reuses it."""
+    mask = pass_attention_mask(model, "add_to(..., positions=...)", "call add_to before reading any value of the pass")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(f"add_to(..., positions=...) needs the batch's [batch, seq] attention mask to find each "
+                         f"prompt's own tokens; this trace's attention mask has shape {tuple(mask.shape)}.")
+    return mask
 
 
 def _own_columns(mask, positions, batch, seq: int) -> list[tuple[Positions, Positions]]:
@@ -242,17 +229,23 @@ def _scope_steps(scope: str | range, max_new_tokens: int) -> set[int]:
 
 # -- activation patching ---------------------------------------------------------------------------
 
-def logit_difference(correct: int, incorrect: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def logit_difference(correct, incorrect, model=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A metric: last-position logit of ``correct`` minus that of ``incorrect``, per batch row.
 
+    Each is one token in any form ``nnterp.tokens.token_ids`` takes (an id, a 0-d tensor, a NumPy integer; a
+    string that is one token where ``model`` is given, which also checks the ids against its vocabulary).
     It reads the last column of the logits: each prompt's last token in ``activation_patching`` (never
     padded) and in a left-padded batch, a pad in a right-padded one.
     """
+    correct = single_token(model, correct, "The correct token")
+    incorrect = single_token(model, incorrect, "The incorrect token")
     return lambda logits: logits[:, -1, correct] - logits[:, -1, incorrect]
 
 
-def target_probability(token: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A metric: last-position probability of ``token``, per batch row (the last column, as ``logit_difference``)."""
+def target_probability(token, model=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A metric: last-position probability of ``token``, per batch row (the last column, and the token's forms,
+    as ``logit_difference``)."""
+    token = single_token(model, token, "The target token")
     return lambda logits: logits[:, -1].softmax(dim=-1)[:, token]
 
 

@@ -90,11 +90,13 @@ def top_tokens(model, probs: torch.Tensor, k: int = 5, readable: bool = True) ->
     return [top_tokens(model, row, k, readable) for row in probs]
 
 
-def _lens_table(model, probs: torch.Tensor, target: str | None = None, k: int = 3) -> str:
-    """One prompt's lens ``[layers, vocab]`` as a text table (used by the CLI and the demo)."""
+def _lens_table(model, probs: torch.Tensor, target=None, k: int = 3) -> str:
+    """One prompt's lens ``[layers, vocab]`` as a text table (used by the CLI and the demo); ``target`` is one token
+    in any form ``nnterp.tokens.token_ids`` takes."""
     lines = []
     target_id = None if target is None else single_token(model, target, "The target")
-    header = f"  {'layer':>5}  " + (f"{'P(' + repr(target) + ')':>12}  {'rank':>6}  " if target else "") + f"top-{k}"
+    column = "" if target_id is None else f"{'P(' + repr(model.tokenizer.decode([target_id])) + ')':>12}  {'rank':>6}  "
+    header = f"  {'layer':>5}  " + column + f"top-{k}"
     lines.append(header)
     for i, (p, top) in enumerate(zip(probs, top_tokens(model, probs, k))):
         shown = ", ".join(f"'{tok}' {q:.2f}" for tok, q in top)

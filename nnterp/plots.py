@@ -34,12 +34,12 @@ def _pyplot():
 
 
 def plot_logit_lens(model, prompt: str, path: str | Path | None, value: str = "layer_output", html: bool = True,
-                    target: str | int | None = None, remote: bool | str = False):
+                    target=None, remote: bool | str = False):
     """A layers x positions heatmap of the lens's top-token probability, each cell labelled with its token.
 
-    Whitespace in tokens is shown (``␣`` for a space). With ``target`` (one token, e.g. ``" Paris"``,
-    or its id) every cell whose top token is the target is outlined. Writes a PNG at ``path`` and,
-    when plotly is installed and ``html`` is True, an interactive HTML beside it.
+    Whitespace in tokens is shown (``␣`` for a space). With ``target`` (one token, e.g. ``" Paris"``, or its
+    id in any form ``nnterp.tokens.token_ids`` takes) every cell whose top token is the target is outlined.
+    Writes a PNG at ``path`` and, when plotly is installed and ``html`` is True, an interactive HTML beside it.
     """
     from .lens import logit_lens
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .tokens import token_ids
+
 
 def first_tokens(tokenizer, word: str) -> list[int]:
     """The first token of ``" word"`` and of ``"word"`` (deduplicated), as a model may continue with either.
@@ -49,10 +51,13 @@ class Prompt:
                  target_words: dict[str, list[str]] | None = None, *, prompt: str | None = None,
                  target_tokens: dict[str, list[int]] | None = None, target_strings=None):
         self.text = text if text is not None else prompt
-        self.targets = targets if targets is not None else target_tokens
+        targets = targets if targets is not None else target_tokens
         self.target_words = dict(target_words if target_words is not None else (target_strings or {}))
-        if self.text is None or self.targets is None:
+        if self.text is None or targets is None:
             raise TypeError("Prompt needs its text and its targets: Prompt(text, {category: [token ids]}).")
+        # ids in any form token_ids takes, kept as lists (a bare id would sum over the batch); negatives refused
+        self.targets = {category: token_ids(None, ids, f"The target {category!r}").reshape(-1).tolist()
+                        for category, ids in targets.items()}
 
     @classmethod
     def from_strings(cls, text: str, targets: dict[str, str | Sequence[str]] | str | Sequence[str], tokenizer) -> Prompt:

@@ -3,10 +3,39 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from nnsight.intervention.interleaver import Mediator
 
 from .engine import WrappedModel
-from .errors import ReadoutUnavailable
+from .errors import NNterpError, ReadoutUnavailable
+from .selection import token_index
+
+
+class InputsPassed(NNterpError, ValueError):
+    """The forward pass has run past the model's inputs: its attention mask can no longer be read."""
+
+
+def pass_attention_mask(model, what: str, remedy: str) -> torch.Tensor | None:
+    """Inside a trace: the batch's attention mask (None where the trace gives none), from the model's inputs.
+
+    Read once per forward pass and kept on nnsight's mediator (one per invoke and trace), as
+    ``views.leading_shape`` keeps a block's shape, so a later reader of the pass reuses it. A pass
+    is the occurrence of the model's output a request made now asks for: the same through a generation
+    step's pin and its relaxing after the step's first value. Raises ``InputsPassed`` (``what`` finds
+    the mask, ``remedy`` says what to do) where the pass has already run past its inputs, since nnsight
+    reads in forward order and would wait for the next pass's.
+    """
+    mediator = Mediator.current(what)
+    masks = mediator.__dict__.setdefault("_nnterp_attention_mask", {})
+    key = mediator.wanted(f"{model.path}.output")
+    if key not in masks:
+        if mediator.occurrence(f"{model.path}.input") > key:
+            raise InputsPassed(f"{what} finds each prompt's own tokens through the batch's attention mask, read from "
+                               f"the model's inputs, and this forward pass has already run past them: {remedy}.")
+        masks[key] = model.inputs[1].get("attention_mask")
+    return masks[key]
 
 
 class Readout:
@@ -19,8 +48,30 @@ class Readout:
 
     @property
     def next_token_probs(self: WrappedModel) -> torch.Tensor:
-        """The softmax of the last position's logits, ``[batch, vocab]`` (inside a trace)."""
-        return self.logits[:, -1].softmax(dim=-1)
+        """The softmax of the logits at each prompt's own last token, ``[batch, vocab]`` (inside a trace), whichever
+        side the batch pads.
+
+        Each prompt's last token is found through the batch's attention mask, read from the model's inputs as
+        ``add_to``'s positions are. A trace that reads a value of the pass first has gone past those inputs (unless
+        an ``add_to`` with positions read the mask before): then the last column is read, each prompt's last token
+        unless the batch pads on the right, where it is a pad for the shorter prompts and a warning says so.
+        """
+        try:
+            mask = pass_attention_mask(self, "model.next_token_probs", "it reads the last column")
+        except InputsPassed:
+            mask = None
+            if getattr(self.tokenizer, "padding_side", None) == "right" and self.logits.shape[0] > 1:
+                warnings.warn("model.next_token_probs reads the last column of the logits, a pad for the shorter "
+                              "prompts of a batch the tokenizer pads on the right (padding_side='right'): the trace "
+                              "read a value of this pass before it, past the model's inputs, where the attention "
+                              "mask that finds each prompt's last token is read. Read next_token_probs in a trace "
+                              "of its own, or pad on the left (model.tokenizer.padding_side = 'left').", stacklevel=2)
+        logits = self.logits
+        if mask is None or mask.dim() != 2:
+            return logits[:, -1].softmax(dim=-1)
+        # the logits cover the mask's last columns (a generation step with a cache runs only its new token)
+        last = token_index(mask, -1) - (mask.shape[1] - logits.shape[1])
+        return logits[torch.arange(logits.shape[0]), last.to(logits.device)].softmax(dim=-1)
 
     def project_on_vocab(self: WrappedModel, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from a stream tensor, read out as the model reads its last block's output.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,3 +180,15 @@ def test_a_pos_slice_that_lands_on_pads_warns_naming_the_padding_side():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cache.decompose_resid(pos_slice=1)  # a real token of every prompt: no warning
+
+
+def test_logit_attrs_reads_the_token_given_and_refuses_what_is_no_token_id():
+    r = run("llama")
+    stack = r.cache.decompose_resid()
+    logit = r.head["output"][..., 17]  # the plain forward's logit of token 17
+    for given in (17, np.int64(17), torch.tensor(17), torch.tensor(17.0)):
+        torch.testing.assert_close(r.cache.logit_attrs(stack, given).sum(0), logit, rtol=1e-5, atol=1e-5)
+    for given, message in ((torch.tensor(-1), "outside the vocabulary"), (torch.tensor(17.9), "17.9"),
+                           (True, "bool"), (-1, "outside the vocabulary")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            r.cache.logit_attrs(stack, given)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 
+import nnsight
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from nnterp.families import BY_MODEL_TYPE
 from nnterp.interventions import TargetPromptBatch, patch_object_attn_lens
 
 from .conftest import build_tiny, tiny_tokenizer
+from .test_remote import checkpoints, load, requests, server  # noqa: F401  (the remote server's fixtures)
 
 PROMPTS = ["the cat sat on the mat", "the dog", "Paris is in the city"]  # 6, 2 and 5 tokens
 SIDES = ("left", "right")
@@ -271,3 +273,93 @@ def test_patch_object_attn_lens_patches_and_reads_each_targets_own_tokens(llama)
             warnings.simplefilter("ignore", DeprecationWarning)
             got = patch_object_attn_lens(llama, sources, targets, index, num_patches=patches)
         assert torch.allclose(got.float(), expected, atol=1e-6), side
+
+
+# -- model.next_token_probs ------------------------------------------------------------------------
+
+def own_last_probs(model, text, hooks=()):
+    """The softmax of the unwrapped model's logits at ``text``'s last token, the prompt alone."""
+    return hf_logits(model, alone(model, text), hooks)[-1].softmax(-1)
+
+
+def test_next_token_probs_reads_each_prompts_own_last_token(model):
+    expected = torch.stack([own_last_probs(model, text) for text in PROMPTS])
+    for side in SIDES:
+        with padded(model, side), torch.no_grad(), model.trace(PROMPTS):
+            probs = model.next_token_probs.save()
+        assert torch.allclose(probs, expected, atol=1e-6), side
+        with padded(model, side), torch.no_grad(), model.trace() as tracer:  # two invokes, padded to one length
+            with tracer.invoke(PROMPTS[:2]):
+                first = model.next_token_probs.save()
+            with tracer.invoke(PROMPTS[2]):
+                second = model.next_token_probs.save()
+        assert torch.allclose(torch.cat([first, second]), expected, atol=1e-6), side
+
+
+def test_next_token_probs_after_add_to_positions_reads_each_prompts_own_last_token(llama):
+    vector = vector_for(llama)
+
+    def add_first(stream):
+        stream[0, 0] += vector
+
+    expected = torch.stack([own_last_probs(llama, text, [lambda: hooked(llama.layers._module[LAYER], add_first)])
+                            for text in PROMPTS])
+    for side in SIDES:
+        with padded(llama, side), torch.no_grad(), llama.trace(PROMPTS):
+            add_to(llama, LAYER, vector, positions=0)  # reads the batch's mask first: next_token_probs reuses it
+            llama.layers[2].layer_output.save()
+            probs = llama.next_token_probs.save()
+        assert torch.allclose(probs, expected, atol=1e-6), side
+
+
+def test_next_token_probs_past_the_inputs_reads_the_last_column_and_warns_under_right_padding(llama):
+    expected = torch.stack([own_last_probs(llama, text) for text in PROMPTS])
+    with padded(llama, "left"), warnings.catch_warnings(), torch.no_grad(), llama.trace(PROMPTS):
+        warnings.simplefilter("error")  # the last column is each prompt's last token: no warning
+        llama.layers[0].layer_output.save()  # the pass runs past its inputs: the mask cannot be read after this
+        probs = llama.next_token_probs.save()
+    assert torch.allclose(probs, expected, atol=1e-6)
+    with padded(llama, "right") as mask, pytest.warns(UserWarning, match="padding_side='right'"):
+        with torch.no_grad(), llama.trace(PROMPTS):
+            llama.layers[0].layer_output.save()
+            probs = llama.next_token_probs.save()
+            logits = llama.logits.save()
+    assert torch.equal(probs, logits[:, -1].softmax(-1)) and not mask[:, -1].all()  # a pad for the shorter prompts
+    with padded(llama, "right"), warnings.catch_warnings(), torch.no_grad(), llama.trace(PROMPTS[0]):
+        warnings.simplefilter("error")  # one prompt: nothing is padded
+        llama.layers[0].layer_output.save()
+        llama.next_token_probs.save()
+
+
+def test_next_token_probs_in_a_generation_step_is_each_prompts_new_token(llama):
+    steps = 2
+    with padded(llama, "left"), torch.no_grad(), llama.generate(PROMPTS, max_new_tokens=steps, min_new_tokens=steps,
+                                                               do_sample=False) as tracer:
+        probs = nnsight.save([])
+        for _ in tracer.iter[0:steps]:
+            probs.append(llama.next_token_probs)
+        ids = tracer.result.save()
+    for row, text in enumerate(PROMPTS):
+        new = ids[row, -steps:].cpu()
+        for step in range(steps):  # the prompt and the tokens generated before the step, alone
+            ran = torch.cat([alone(llama, text)[0], new[:step]]).unsqueeze(0)
+            assert torch.allclose(probs[step][row], hf_logits(llama, ran)[-1].softmax(-1), atol=1e-5), (text, step)
+
+
+def test_next_token_probs_runs_remotely_where_nnterp_is_not_installed(checkpoints, requests):  # noqa: F811
+    model = load("llama", checkpoints)
+    expected = torch.stack([own_last_probs(model, text) for text in PROMPTS])
+    with padded(model, "right") as mask:  # tokenized here: a server tokenizes with its own tokenizer's side
+        inputs = model.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    got, steered = [], []
+    for remote in (False, True):
+        with torch.no_grad(), model.trace(inputs, remote=remote):
+            probs = model.next_token_probs.save()
+        with torch.no_grad(), model.trace(inputs, remote=remote):  # the mask read by add_to, reused after a read
+            add_to(model, LAYER, vector_for(model), positions=0)
+            model.layers[2].layer_output.save()
+            steered_probs = model.next_token_probs.save()
+        got.append(probs.detach())
+        steered.append(steered_probs.detach())
+    assert requests and not mask[:, -1].all() and torch.equal(*got) and torch.equal(*steered)
+    assert torch.allclose(got[1], expected, atol=1e-6) and not torch.allclose(steered[1], expected, atol=1e-3)
