@@ -917,6 +917,10 @@ def _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, retu
     stream = _take(stream_at(cache, layer), pos_slice, -2).float()
     stack = torch.cat([rows for rows, _ in parts]) if parts else stream.new_zeros((0, *stream.shape))
     labels = [label for _, part in parts for label in part]
+    if (incl_remainder or apply_ln) and stack.shape[1:] != stream.shape:
+        _refuse(cache.model, "incl_remainder and apply_ln", f"the stream at layer {layer} has shape "
+                f"{list(stream.shape)}, the blocks' rows {list(stack.shape[1:])}: the model adds positions or streams "
+                "the values do not hold")
     if incl_remainder:
         stack = torch.cat([stack, (stream - stack.sum(0))[None]])
         labels.append("remainder")

@@ -69,11 +69,7 @@ def test_a_normalizing_dictionary_spliced_on_a_padded_batch_keeps_the_pad_positi
     dictionary = load_dictionary(folder)
     expected = saelens_features(cfg, weights, x)
 
-    # unedited: the logits bit for bit; the pad positions reported, their features zero
-    features, unencoded, logits = run(model, inputs, dictionary)
-    assert torch.equal(logits, plain)
-    assert torch.equal(unencoded, pads) and torch.equal(features[pads], torch.zeros(int(pads.sum()), D_SAE))
-    torch.testing.assert_close(features[~pads], expected[~pads], rtol=1e-5, atol=1e-5)
+    assert_unedited_changes_nothing(model, inputs, dictionary, plain, pads, expected)
 
     # a clamp at every position adds its change at the real ones, times the decoder's scale, and none at the pads
     feature = int(expected[~pads].gt(0).sum(0).argmax())
@@ -84,6 +80,14 @@ def test_a_normalizing_dictionary_spliced_on_a_padded_batch_keeps_the_pad_positi
     assert logits.isfinite().all()
     torch.testing.assert_close(logits, edited, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(logits, plain, atol=1e-4)
+
+
+def assert_unedited_changes_nothing(model, inputs, dictionary, plain, pads, expected):
+    """Unedited: the logits bit for bit; the pad positions reported, their features zero, the others the producer's."""
+    features, unencoded, logits = run(model, inputs, dictionary)
+    assert torch.equal(logits, plain)
+    assert torch.equal(unencoded, pads) and torch.equal(features[pads], torch.zeros(int(pads.sum()), D_SAE))
+    torch.testing.assert_close(features[~pads], expected[~pads], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("normalize", NORMALIZING)
@@ -100,10 +104,7 @@ def test_a_normalizing_transcoder_spliced_on_a_padded_batch_keeps_the_pad_positi
     assert (dictionary.site, dictionary.out_site) == tuple(sites)
     expected = saelens_features(cfg, weights, x)
 
-    features, unencoded, logits = run(model, inputs, dictionary)
-    assert torch.equal(logits, plain)
-    assert torch.equal(unencoded, pads) and torch.equal(features[pads], torch.zeros(int(pads.sum()), D_SAE))
-    torch.testing.assert_close(features[~pads], expected[~pads], rtol=1e-5, atol=1e-5)
+    assert_unedited_changes_nothing(model, inputs, dictionary, plain, pads, expected)
 
     feature = int(expected[~pads].gt(0).sum(0).argmax())
     change = torch.where(pads[..., None], 0.0, (2.0 - expected[..., feature:feature + 1]) * weights["W_dec"][feature])

@@ -98,11 +98,15 @@ def test_a_model_loaded_without_weights_runs_on_ndif_and_stays_without_them(arri
     assert len(arrivals) == 2
 
 
-def test_a_hybrid_runs_on_ndif_bit_exactly(arrivals):
+def test_a_hybrid_runs_on_ndif(arrivals):
+    """Jamba's values and edits on the server, within float32 rounding. Seen on an AVX2-only AMD EPYC: the server's
+    Mamba mixer output differs from the client's by up to 4e-9 (an ulp; the server's torch is PyPI's CUDA build, the
+    client's the CPU build), though plain forwards of the two builds agree there; on other machines it is bit for bit.
+    The in-house simulation (test_remote.py), on the client's build, checks every hybrid family bit for bit."""
     model = load("nnterp-ci/jamba")
     assert "mixer_output" in model.order(0) and "self_attn.attention_output" not in model.order(0)
-    assert_same(read_everything(model, False), read_everything(model, True))
-    assert_same(edit_everything(model, False), edit_everything(model, True))
+    assert_same(read_everything(model, False), read_everything(model, True), rounding=True)
+    assert_same(edit_everything(model, False), edit_everything(model, True), rounding=True)
     assert len(arrivals) == 2
 
 
