@@ -543,10 +543,7 @@ def frozen_norm(cache, layer: int | None = None, mlp_input: bool = False) -> Fro
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     gain = None if weight is None else weight.detach().float().to(x.device) + offset
     bias = None if bias is None else bias.detach().float().to(x.device)
-    u = x.float() - x.float().mean(-1, keepdim=True) if centred else x.float()
-    u = u if gain is None else u * gain
-    r = y.float() if bias is None else y.float() - bias
-    numerator, denominator = (u * u).sum(-1, keepdim=True), (u * r).sum(-1, keepdim=True)
+    u, numerator, denominator = _fit(x, y, centred, gain, bias)
     # where the norm's input is flat (zero after centring: a pad's zero stream), its output says nothing of the
     # scale, which is then the norm's sqrt(eps) (TransformerLens's hook_scale there)
     flat = denominator == 0
@@ -572,13 +569,21 @@ def _flat_scale(module: nn.Module, centred: bool, gain, bias, like: torch.Tensor
             return float(value) ** 0.5
     probe = torch.full((1, 1, like.shape[-1]), 1e-3)
     probe[..., ::2] = -1e-3
-    probe = probe - probe.mean(-1, keepdim=True) if centred else probe
+    probe = (probe - probe.mean(-1, keepdim=True) if centred else probe).to(like.device)
     with torch.no_grad():
-        y = native(module, probe.to(like.device, like.dtype)).float()
-    u = probe.to(like.device) if gain is None else probe.to(like.device) * gain
-    r = y if bias is None else y - bias
-    scale = ((u * u).sum() / (u * r).sum()).item()
+        y = native(module, probe.to(like.dtype))
+    _, numerator, denominator = _fit(probe, y, False, gain, bias)  # already centred
+    scale = (numerator / denominator).item()
     return max(scale * scale - probe.pow(2).mean().item(), 0.0) ** 0.5
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, centred: bool, gain, bias):
+    """``(u, u·u, u·r)`` per position, in float32: ``u`` the norm's input centred (where it centres) times its gain,
+    ``r`` its output less its bias; ``y = u / scale + bias`` gives ``scale = u·u / u·r``."""
+    u = x.float() - x.float().mean(-1, keepdim=True) if centred else x.float()
+    u = u if gain is None else u * gain
+    r = y.float() if bias is None else y.float() - bias
+    return u, (u * u).sum(-1, keepdim=True), (u * r).sum(-1, keepdim=True)
 
 
 def _norm_form(model, module: nn.Module, x: torch.Tensor, label: str) -> tuple[bool, float]:
@@ -936,8 +941,8 @@ def stack_head_results(cache, layer: int | None = -1, return_labels: bool = Fals
     ``[heads, batch, pos, hidden]``, labelled ``L{i}H{h}`` (``head_results``), each as it reaches the stream
     (Granite's times ``residual_multiplier``): a block's heads and its projection's bias sum to its row of
     ``decompose_resid``. A block whose token mixer is not attention has none; a family whose blocks are not the
-    stream plus contributions is refused, as ``decompose_resid`` is. ``incl_remainder`` adds the rest of the stream at ``layer`` (embeddings, projection
-    biases, MLPs, other mixers) as ``remainder``; ``apply_ln`` passes the rows through the norm that reads that
+    stream plus contributions is refused, as ``decompose_resid`` is. ``incl_remainder`` adds the rest of the
+    stream at ``layer`` (embeddings, projection biases, MLPs, other mixers) as ``remainder``; ``apply_ln`` passes the rows through the norm that reads that
     stream, frozen (its bias a row of its own with ``incl_remainder``)."""
     model = cache.model
     _warn_if_pads(cache, pos_slice, "stack_head_results")

@@ -78,7 +78,8 @@ def token_ids(model, tokens, what: str = "The token") -> torch.Tensor:
         raise TypeError(f"{what} {tokens!r} ({type(tokens).__name__}) is not a token: {ACCEPTED}.")
     if tokens.dtype == torch.bool:
         raise TypeError(f"{what} {tokens!r} is a boolean tensor, not token ids: {ACCEPTED}.")
-    if tokens.is_complex() or tokens.is_floating_point() and not bool((tokens.isfinite() & (tokens == tokens.round())).all()):
+    if tokens.is_complex() or (tokens.is_floating_point()
+                               and not bool((tokens.isfinite() & (tokens == tokens.round())).all())):
         raise ValueError(f"{what} {tokens!r} is not a whole number: {ACCEPTED}.")  # never truncated
     vocab = getattr(model, "vocab_size", None)
     outside = (tokens < 0) if vocab is None else (tokens < 0) | (tokens >= vocab)
