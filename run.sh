@@ -30,16 +30,16 @@ install_chromium() {
   local sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
   if ! command -v apt-get >/dev/null 2>&1 || \
      ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium; } >/dev/null 2>&1; then
-    echo "run.sh: could not install chromium (apt-get); tests/test_browser.py will be skipped" >&2
+    echo "run.sh: could not install chromium (apt-get); tests/docs/test_browser.py will be skipped" >&2
   fi
 }
 
 case "${1:-}" in
   demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
   test) setup; install_chromium
-        # the real NDIF server of tests/test_ndif_real.py, in its own Python 3.12 venv (once; where it cannot be set
+        # the real NDIF server of tests/remote/test_ndif_real.py, in its own Python 3.12 venv (once; where it cannot be set
         # up, the test skips and says why)
-        NNTERP_VENV="$VENV" bash tests/ndif/setup.sh || echo "run.sh: the NDIF server could not be set up (above); tests/test_ndif_real.py will skip" >&2
+        NNTERP_VENV="$VENV" bash tests/remote/ndif/setup.sh || echo "run.sh: the NDIF server could not be set up (above); tests/remote/test_ndif_real.py will skip" >&2
         "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
         "$VENV/bin/mypy"   # the type checker on the core (pyproject.toml's [tool.mypy]): a type error fails the run
         HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q -rs "${@:2}" ;;

@@ -29,7 +29,7 @@ from conftest import tiny_tokenizer  # noqa: E402
 from timing import timed  # noqa: E402
 
 from nnterp import StandardizedTransformer  # noqa: E402
-from nnterp.interventions import activation_patching, attribution_patching, logit_difference  # noqa: E402
+from nnterp.tools.interventions import activation_patching, attribution_patching, logit_difference  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -47,7 +47,7 @@ def main():
     parser.add_argument("--embedded", action="store_true")
     args = parser.parse_args()
     if args.embedded:
-        from nnterp.embedded import load_embedded
+        from nnterp.tools.embedded import load_embedded
 
         model, name = load_embedded(), "embedded SmolLM2-135M"
         clean, corrupted = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"

@@ -67,7 +67,7 @@ def llama_small():
 
 
 def smollm2():
-    from nnterp.embedded import embedded_model_path
+    from nnterp.tools.embedded import embedded_model_path
 
     return T.AutoModelForCausalLM.from_pretrained(embedded_model_path()).eval()
 
@@ -330,7 +330,7 @@ def attention_costs(rounds: int):
 
 
 def load_costs(rounds: int):
-    from nnterp.validation import validate
+    from nnterp.core.validation import validate
 
     with tempfile.TemporaryDirectory() as folder:
         gpt2_small().save_pretrained(folder)

@@ -1,12 +1,18 @@
 """nnterp: the same names and values on every decoder family, as live nnsight tensors."""
 
-from .activation_cache import ActivationCache, run_with_cache
-from .allocator import tune_allocator
 from .analysis import AnalysisUnavailable
-from .catalog import CATALOG, Value
 from .collection import Collection, CollectionError, collect
+from .compat import paths as _paths
+from .core.allocator import tune_allocator
+from .core.inference import infer_family
+from .core.inputs import BadInput
+from .core.registry import RegistrationError, register_family, unregister_family
+from .core.standardized import Availability, StandardizedTransformer
+from .core.tokens import AnswerToken, test_prompt, to_str_tokens, visible
 from .dictionaries import Dictionary, DictionaryError, load_dictionary, site_table
-from .errors import (
+from .dictionaries.splicing import Splice, splice, top_activations
+from .spec.catalog import CATALOG, Value
+from .spec.errors import (
     BadAssignment,
     NNterpError,
     ReadoutUnavailable,
@@ -15,9 +21,8 @@ from .errors import (
     UnsupportedConfig,
     ValueUnavailable,
 )
-from .inference import infer_family
-from .inputs import BadInput
-from .interventions import (
+from .tools.activation_cache import ActivationCache, run_with_cache
+from .tools.interventions import (
     activation_patching,
     add_to,
     attribution_patching,
@@ -27,14 +32,12 @@ from .interventions import (
     steered_generate,
     target_probability,
 )
-from .lens import logit_lens, top_tokens
-from .prompts import Prompt, first_tokens, run_prompts
-from .registry import RegistrationError, register_family, unregister_family
-from .splicing import Splice, splice, top_activations
-from .standardized import Availability, StandardizedTransformer
-from .tokens import AnswerToken, test_prompt, to_str_tokens, visible
-from .tuned_lens import TunedLens, load_tuned_lens
+from .tools.lens import logit_lens, top_tokens
+from .tools.prompts import Prompt, first_tokens, run_prompts
+from .tools.tuned_lens import TunedLens, load_tuned_lens
 from .version import __version__
+
+_paths.install()  # the module paths of before the packages (nnterp.lens, nnterp.nnsight_utils, ...)
 
 __all__ = [
     "__version__",
@@ -98,11 +101,11 @@ del _tool
 def __getattr__(name: str):
     """1.x's top-level names, from their 1.x modules (imported on first use)."""
     if name == "ModuleAccessor":
-        from .nnsight_utils import ModuleAccessor
+        from .compat.nnsight_utils import ModuleAccessor
 
         return ModuleAccessor
     if name == "get_rename_dict":
-        from .rename_utils import get_rename_dict
+        from .compat.rename_utils import get_rename_dict
 
         return get_rename_dict
     raise AttributeError(f"module 'nnterp' has no attribute {name!r}")

@@ -12,8 +12,8 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
     import torch
 
     from . import StandardizedTransformer
-    from .embedded import NAME, load_embedded
-    from .lens import _lens_table, logit_lens
+    from .tools.embedded import NAME, load_embedded
+    from .tools.lens import _lens_table, logit_lens
 
     start = time.perf_counter()
     if not model_path:
@@ -43,8 +43,8 @@ def demo(model_path: str | None, prompt: str, target: str, layer: int, plot: str
 
 def _announce_conversion() -> None:
     """Say so before the embedded model's first use converts it (the folder embedded_model_path() looks for)."""
-    from .cache import cache_root
-    from .embedded import NAME
+    from .proof.cache import cache_root
+    from .tools.embedded import NAME
 
     folder = cache_root() / NAME
     if not ((folder / "config.json").is_file() and (folder / "model.safetensors").is_file()):
@@ -56,7 +56,7 @@ def _write_plot(model, prompt: str, path: str, target: str | None = None) -> Non
     import importlib.util
     from pathlib import Path
 
-    from .plots import plot_logit_lens
+    from .tools.plots import plot_logit_lens
 
     try:
         written = Path(plot_logit_lens(model, prompt, path, target=target)).resolve()
@@ -70,9 +70,9 @@ def _write_plot(model, prompt: str, path: str, target: str | None = None) -> Non
 
 def lens(model_name: str, prompt: str, target: str | None, plot: str | None) -> None:
     """Print a prompt's logit-lens table and write its heatmap."""
-    from .embedded import embedded_model_path
-    from .lens import _lens_table, logit_lens
-    from .standardized import StandardizedTransformer
+    from .core.standardized import StandardizedTransformer
+    from .tools.embedded import embedded_model_path
+    from .tools.lens import _lens_table, logit_lens
 
     if model_name == "embedded":
         _announce_conversion()
@@ -87,7 +87,7 @@ def _quiet_if(embedded: bool):
     """The embedded model loads in a second: no progress bar. A model of the user's keeps transformers' bar."""
     import contextlib
 
-    from .miniature import quiet_transformers
+    from .proof.miniature import quiet_transformers
 
     return quiet_transformers() if embedded else contextlib.nullcontext()
 
@@ -99,9 +99,9 @@ def check(model_name: str) -> int:
     import torch
 
     from . import StandardizedTransformer
-    from .embedded import embedded_model_path
-    from .selection import layer_ranges
-    from .validation import ValidationError, check_identity, validate
+    from .core.validation import ValidationError, check_identity, validate
+    from .spec.selection import layer_ranges
+    from .tools.embedded import embedded_model_path
 
     path = str(embedded_model_path()) if model_name == "embedded" else model_name
     with _quiet_if(model_name == "embedded"):

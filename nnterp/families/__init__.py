@@ -3,7 +3,7 @@
 A spec reaches transformers' classes only inside the functions it gives (``tiny_config``, ``rename``,
 ``sublayer_classes``, ...): a config class as ``transformers.<Name>``, a class of a model's own modules
 imported in the function. So a family's model package is imported when the family is used (placed,
-proven, its miniature built), never at ``import nnterp`` (tests/test_import_time.py).
+proven, its miniature built), never at ``import nnterp`` (tests/unit/test_import_time.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 
 from transformers import PretrainedConfig
 
-from ..errors import UnknownArchitecture
+from ..spec.errors import UnknownArchitecture
 from .base import (
     MODEL_LAYERS,
     OWN_ATTENTION,
@@ -94,21 +94,21 @@ FAMILIES: tuple[Family, ...] = (
 FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
              GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
 FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
-FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/test_topology.py)
+FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/families/test_topology.py)
 FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H,  # recurrent: no attention adds to the stream
-             ZAMBA, ZAMBA2)  # (tests/test_recurrent.py)
+             ZAMBA, ZAMBA2)  # (tests/families/test_recurrent.py)
 FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX, MODERNBERT_DECODER,
              INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
-FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/test_dual_pair.py)
-FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/test_prompt_prefix.py)
-FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs several times per pass (tests/test_looped.py)
-FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/test_gemma3n.py)
-FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/test_inkling2.py)
-FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/test_reformer.py)
-FAMILIES += (OPENAI_GPT,)  # post-norm blocks, no final norm (tests/test_openai_gpt.py)
-FAMILIES += (MINIMAX,)  # adds from the normed stream, scaled by factors (tests/test_minimax.py)
+FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/families/test_longcat_flash.py)
+FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/families/test_cpmant.py)
+FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs several times per pass (tests/families/test_looped.py)
+FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/families/test_gemma3n.py)
+FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/families/test_inkling2.py)
+FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/families/test_reformer.py)
+FAMILIES += (OPENAI_GPT,)  # post-norm blocks, no final norm (tests/families/test_openai_gpt.py)
+FAMILIES += (MINIMAX,)  # adds from the normed stream, scaled by factors (tests/families/test_minimax.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
-# miniature of its config before its values are trusted; tests/test_more_types.py compares them with hooks)
+# miniature of its config before its values are trusted; tests/families/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "Llama": ("arcee", "cwm", "ernie4_5", "exaone", "helium", "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2",
               "ministral", "ministral3", "nemotron", "seed_oss", "youtu",

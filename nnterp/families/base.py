@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
-from ..attention import STANDARD, WITH_SINKS, EagerAttention
-from ..catalog import ATTENTION_INTERNALS, CATALOG
-from ..identity import SEQUENTIAL, A, Custom, Identity, M, PostNorm, Sum, Terms, X, native
-from ..locations import At, Location, SameAs, Unavailable, input, output
-from ..sourced import sourced
+from ..spec.attention import STANDARD, WITH_SINKS, EagerAttention
+from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
+from ..spec.identity import SEQUENTIAL, A, Custom, Identity, M, PostNorm, Sum, Terms, X, native
+from ..spec.locations import At, Location, SameAs, Unavailable, input, output
+from ..spec.sourced import sourced
 
 
 class FrozenDict(dict):
@@ -44,7 +44,7 @@ class Block:
 
     ``mixer_output`` is the same place as ``attention_output`` unless the spec places it (a hybrid's
     blocks that mix tokens with something else than attention: ``families.hybrid``).
-    ``identity`` (``nnterp.identity``: a ``Sum``, a ``PostNorm`` or a ``Custom``) recomputes ``layer_output``
+    ``identity`` (``nnterp.spec.identity``: a ``Sum``, a ``PostNorm`` or a ``Custom``) recomputes ``layer_output``
     from the values (and the ``extra`` tensors, read like values) in the order the model's code adds them, and
     gives the formula shown for it; ``ulps`` is 0 where the plain sum ``layer_input + attention_output +
     mlp_output`` is exact, else how far it is (in ulps of the block's dtype).

@@ -14,8 +14,8 @@ its dropout, which its last matmul mixes the values with.
 
 import transformers
 
-from ..attention import OwnCode
-from ..errors import UnsupportedConfig
+from ..spec.attention import OwnCode
+from ..spec.errors import UnsupportedConfig
 from .base import Family, output, pre_norm_block, stream_and_none
 
 ATTENTION = OwnCode(places=(

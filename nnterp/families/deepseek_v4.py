@@ -21,7 +21,7 @@ scores and the probabilities over them are unavailable on those layers (``querie
 import torch
 import transformers
 
-from ..identity import Custom
+from ..spec.identity import Custom
 from .base import ROUTED, WITH_SINKS, Block, Family, Unavailable, input, output, pre_norm_block
 
 FORMULA = ("layer_mid = attn_post[..., None] * attention_output[..., None, :] + attn_comb^T @ layer_input; "

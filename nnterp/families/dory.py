@@ -23,7 +23,7 @@ from ``norm(stream) + norm(input section's output)``, so a loop's first block re
 
 import transformers
 
-from ..identity import Custom
+from ..spec.identity import Custom
 from .base import Block, Family, input, native, output
 
 FORMULA = ("layer_output = n2 + |λ2·s|·(mlp_output - n2), n2 = norm(layer_mid), "

@@ -17,7 +17,7 @@ why they are unavailable too: neither stands for one of the pairs.
 
 import transformers
 
-from ..identity import Name, Sum, X
+from ..spec.identity import Name, Sum, X
 from .base import Block, Family, Unavailable, input, output
 
 IDENTITY = Sum(((((X + Name("attn0")) + Name("mlp0")) + Name("attn1")) + Name("mlp1")) + Name("shortcut"),

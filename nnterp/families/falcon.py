@@ -29,8 +29,8 @@ projection, so its keys and values have one head per query head.
 
 import transformers
 
-from ..attention import OwnCode
-from ..errors import UnsupportedConfig
+from ..spec.attention import OwnCode
+from ..spec.errors import UnsupportedConfig
 from .base import Family, output, parallel_block, pre_norm_block, stream_and_none
 
 ROTARY = OwnCode(places=(

@@ -31,8 +31,8 @@ import math
 import torch
 import transformers
 
-from ..errors import NNterpError
-from ..identity import Custom
+from ..spec.errors import NNterpError
+from ..spec.identity import Custom
 from .base import STANDARD, Block, Family, input, output, pre_norm_block, softcap_logits
 
 FORMULA = ("layer_output = P + (((P[0] + attention_output) + laurel) / sqrt(2) + mlp_output - P[0]) * (C + 1), "

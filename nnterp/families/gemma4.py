@@ -19,7 +19,7 @@ import dataclasses
 
 import transformers
 
-from ..identity import A, M, Name, Sum, X
+from ..spec.identity import A, M, Name, Sum, X
 from .base import ROUTED, Block, Family, output, pre_norm_block, softcap_logits
 
 

@@ -12,7 +12,7 @@ values with.
 
 import transformers
 
-from ..attention import OwnCode
+from ..spec.attention import OwnCode
 from .base import Family, pre_norm_block, stream_and_none
 
 ATTENTION = OwnCode(module="attention", places=(

@@ -15,7 +15,7 @@ and a sigmoid gate on each head's output; the MLP is dense on the layers ``mlp_l
 
 import transformers
 
-from ..identity import Custom
+from ..spec.identity import Custom
 from .base import ROUTED, WITH_SINKS, Block, Family, input, output, pre_norm_block
 
 FORMULA = ("layer_mid = (attn_post[..., None] * attention_output[..., None, :] + layer_input); "

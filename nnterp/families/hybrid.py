@@ -33,8 +33,8 @@ stream after its add, on every block.
 
 import transformers
 
-from ..catalog import ATTENTION_VALUES
-from ..identity import A, M, Sum, X
+from ..spec.catalog import ATTENTION_VALUES
+from ..spec.identity import A, M, Sum, X
 from .base import ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block, stream_and_none
 from .moe import routed_layer
 

@@ -47,7 +47,7 @@ import dataclasses
 
 import transformers
 
-from ..identity import Custom
+from ..spec.identity import Custom
 from .base import ROUTED, Block, EagerAttention, Family, Unavailable, input, output, pre_norm_block
 
 FORMULA = "layer_output = ((layer_input.float() + attention_output.float()) + mlp_output).to(layer_input.dtype)"

@@ -17,7 +17,7 @@ import dataclasses
 
 import transformers
 
-from ..identity import Custom
+from ..spec.identity import Custom
 from .base import ROUTED, Family, input, native, pre_norm_block
 from .hybrid import is_attention, mixer_block
 

@@ -13,7 +13,7 @@ last matmul mixes the values with.
 
 import transformers
 
-from ..attention import OwnCode
+from ..spec.attention import OwnCode
 from .base import Family, output, pre_norm_block, stream_and_none
 
 ATTENTION = OwnCode(places=(

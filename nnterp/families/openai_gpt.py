@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import transformers
 
-from ..sourced import sourced
+from ..spec.sourced import sourced
 from .base import At, EagerAttention, Family, input, output, post_norm_block
 
 

@@ -18,7 +18,7 @@ Qwen4-Exp checkpoints carry an image-text config; the causal LM built from it is
 
 import transformers
 
-from ..identity import Custom
+from ..spec.identity import Custom
 from .base import ROUTED, Block, Family, input, output, pre_norm_block
 from .hybrid import mixer_block
 

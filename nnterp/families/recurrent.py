@@ -49,9 +49,9 @@ import dataclasses
 import torch
 import transformers
 
-from ..catalog import ATTENTION_VALUES
-from ..errors import UnsupportedConfig
-from ..identity import MIXER, A, Custom, M, Sum, X
+from ..spec.catalog import ATTENTION_VALUES
+from ..spec.errors import UnsupportedConfig
+from ..spec.identity import MIXER, A, Custom, M, Sum, X
 from .base import ROUTED, Block, Family, SameAs, Unavailable, input, output, pre_norm_block
 from .hybrid import mixer_block
 

@@ -36,8 +36,8 @@ import warnings
 import torch
 import transformers
 
-from ..errors import UnsupportedConfig
-from ..identity import Custom
+from ..spec.errors import UnsupportedConfig
+from ..spec.identity import Custom
 from .base import Block, Family, Unavailable, input, output
 
 COUNT = "orig_sequence_length"  # the block's keyword argument: how many positions are tokens

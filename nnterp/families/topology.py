@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 import transformers
 
-from ..identity import A, M, Name, Sum, X
+from ..spec.identity import A, M, Name, Sum, X
 from .base import OWN_ATTENTION, Family, output, pre_norm_block, stream_and_none
 from .hybrid import is_attention, mixer_block
 

@@ -1,7 +1,7 @@
 """The causal-LM model types of transformers that no family serves, each with its category and the reason.
 
 A type that transformers adds is neither served nor listed here until someone reads its blocks: the census
-(``nnterp.coverage``, tests/test_coverage.py) fails until it is served or classified here. ``family_of`` refuses
+(``nnterp.proof.coverage``, tests/unit/test_coverage.py) fails until it is served or classified here. ``family_of`` refuses
 a listed type with its reason.
 """
 
@@ -55,7 +55,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
 }
 
 
-WHERE_SERVED = "docs/coverage.md lists the served types (in code: nnterp.coverage.served_types())"
+WHERE_SERVED = "docs/coverage.md lists the served types (in code: nnterp.proof.coverage.served_types())"
 
 
 def why_not_served(model_type: str) -> str | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import transformers
 
-from ..identity import MIXER, Sum, X
+from ..spec.identity import MIXER, Sum, X
 from .base import Block, Family, SameAs, Unavailable, input, output
 from .recurrent import MLP_VALUES, NO_ATTENTION, not_attention
 

@@ -1,0 +1,242 @@
+"""Views: the pure tensor steps between the tensor a module gives and a standard value, each a class of one protocol.
+
+A location (``nnterp.spec.locations.At``) names the views it is read through; they apply in a fixed order (``ORDER``:
+the positions that are tokens, then the shape, then the layout), each on what the one before gave:
+
+- ``shape(shape, block, heads)``: the value's shape, from the shape of the tensor the view is given;
+- ``view(tensor, block, heads)``: the value, of the same storage where a view can be (edits in place are then the
+  model's);
+- ``unview(value, tensor, block, heads)``: the tensor the view was given (``tensor``), remade from an edited or
+  assigned ``value``;
+- ``describe()``: how the view reads, for ``availability`` and the docs;
+- ``prepare(block, model)``: what a forward pass reads before the first value of a block, where the view needs
+  something the block's input holds (``prepares``: whether it has anything to do).
+
+``block`` is the block's envoy, ``heads`` its number of attention heads. Everything here runs inside traces, also
+on a server where nnterp is not installed: plain classes with hand-written methods, and nnsight's own objects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class View:
+    """A pure tensor step between a module's tensor and a standard value (see the module's docstring)."""
+
+    prepares = False
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, *sorted(vars(self).items())))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def shape(self, shape: tuple[int, ...], block, heads: int | None) -> tuple[int, ...]:
+        return shape
+
+    def view(self, tensor: torch.Tensor, block, heads: int | None) -> torch.Tensor:
+        return tensor
+
+    def unview(self, value: torch.Tensor, tensor: torch.Tensor, block, heads: int | None) -> torch.Tensor:
+        return value
+
+    def describe(self) -> str:
+        return ""
+
+    def prepare(self, block, model) -> None:
+        return None
+
+
+class Prefix(View):
+    """``[batch, seq, ...]`` without the first ``positions`` positions, which the model prepends to the tokens (a
+    learned prompt): a slice of the same storage, so an edit in place is an edit of those positions of the model's
+    tensor; an assignment replaces them, the prepended positions left as the model made them."""
+
+    prepares = True
+
+    def __init__(self, positions: int):
+        self.positions = positions
+
+    def shape(self, shape, block, heads):
+        if len(shape) < 3 or shape[1] <= self.positions:
+            raise ValueError(f"the model's tensor {list(shape)} has no positions after the {self.positions} it "
+                             "prepends (a pass that does not prepend them: a generation step)")
+        return (shape[0], shape[1] - self.positions, *shape[2:])
+
+    def view(self, tensor, block, heads):
+        return tensor[:, self.positions :]
+
+    def unview(self, value, tensor, block, heads):
+        return torch.cat((tensor[:, : self.positions], value), dim=1)
+
+    def describe(self) -> str:
+        return f" (without the {self.positions} positions the model prepends to the tokens)"
+
+    def prepare(self, block, model) -> None:
+        """A model prepends the positions fully only on a pass without a cache: given a filled one, its stream holds
+        other positions, which the view cannot tell apart. Read from the model's own inputs, the first event of each
+        pass (per invoke and generation step)."""
+        from nnsight.intervention.interleaver import Mediator
+
+        mediator = Mediator.current("a standard value")
+        checked = mediator.__dict__.setdefault("_nnterp_uncached", set())
+        if mediator.iteration in checked:
+            return
+        _, kwargs = model.inputs
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            raise ValueError(
+                f"{model.family.name} prepends its prompt positions to the stream in full only on a pass without a "
+                "cache, so the values of a pass given a filled one (a generation's later steps too) cannot be told "
+                "apart from them: trace the whole sequence without past_key_values."
+            )
+        checked.add(mediator.iteration)
+
+
+class Count(View):
+    """``[batch, seq, ...]`` without the padding the model adds after the tokens (it pads the stream to a multiple
+    of a chunk length): its first positions, as many as the block's keyword argument ``kwarg`` says are tokens,
+    read from the block's input before the block's first value, once per pass (``token_count``)."""
+
+    prepares = True
+
+    def __init__(self, kwarg: str):
+        self.kwarg = kwarg
+
+    def shape(self, shape, block, heads):
+        return (shape[0], token_count(block, self.kwarg), *shape[2:])
+
+    def view(self, tensor, block, heads):
+        return tensor[:, : token_count(block, self.kwarg)]
+
+    def unview(self, value, tensor, block, heads):
+        return torch.cat((value, tensor[:, value.shape[1] :]), dim=1) if value.shape[1] < tensor.shape[1] else value
+
+    def describe(self) -> str:
+        return f" (its first {self.kwarg} positions: without the padding the model adds after the tokens)"
+
+    def prepare(self, block, model) -> None:
+        token_count(block, self.kwarg)
+
+
+class _Reshaped(View):
+    """A view of the same storage in another shape (``shape``); a value handed back takes the model's shape again
+    (a copy only where the value is not contiguous, as an assigned one may be)."""
+
+    def view(self, tensor, block, heads):
+        return tensor.view(self.shape(tensor.shape, block, heads))
+
+    def unview(self, value, tensor, block, heads):
+        return value.reshape(tensor.shape)
+
+
+class Unflatten(_Reshaped):
+    """A tensor the block flattened to ``[batch * seq, features]``, as ``[batch, seq, features]`` (``[batch, seq]``
+    read from the block's input in the same pass, before its first value: ``leading_shape``)."""
+
+    prepares = True
+
+    def shape(self, shape, block, heads):
+        return (*leading_shape(block), shape[-1])
+
+    def describe(self) -> str:
+        return " (flattened by the block; viewed as [batch, seq, ...])"
+
+    def prepare(self, block, model) -> None:
+        leading_shape(block)
+
+
+class Heads(_Reshaped):
+    """The last dimension (or the dimensions after ``[batch, seq]``) as ``[num_heads, head_dim]``."""
+
+    def shape(self, shape, block, heads):
+        width = math.prod(shape[2:])
+        return (*shape[:2], heads, width // heads)
+
+    def describe(self) -> str:
+        return " (viewed per head)"
+
+
+class HeadsFirst(View):
+    """``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``: a transposed view of the same storage."""
+
+    def shape(self, shape, block, heads):
+        return (shape[0], shape[2], shape[1], *shape[3:])
+
+    def view(self, tensor, block, heads):
+        return tensor.transpose(1, 2)
+
+    def unview(self, value, tensor, block, heads):
+        return value.transpose(1, 2)
+
+    def describe(self) -> str:
+        return " (viewed as [batch, seq, heads, dim])"
+
+
+class StreamsFirst(View):
+    """A stream the model stacks as ``[streams, batch, seq, hidden]`` as ``[batch, seq, streams, hidden]``, the
+    layout of other parallel streams: a permuted view of the same storage, and an assignment permuted back."""
+
+    def shape(self, shape, block, heads):
+        return (*shape[1:3], shape[0], *shape[3:])
+
+    def view(self, tensor, block, heads):
+        return tensor.movedim(0, 2)
+
+    def unview(self, value, tensor, block, heads):
+        return value.movedim(2, 0)
+
+    def describe(self) -> str:
+        return " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
+
+
+ORDER = (Prefix, Count, Unflatten, Heads, StreamsFirst, HeadsFirst)  # the order the views apply in
+DESCRIBED = (Heads, Unflatten, HeadsFirst, StreamsFirst, Prefix, Count)  # the order their descriptions read in
+
+
+def leading_shape(block_envoy) -> tuple[int, ...]:
+    """``[batch, seq]`` of the stream in this forward pass, read from the block's input once per visit of the block.
+
+    Kept on nnsight's mediator (one per invoke and trace), per visit, so later values of the visit reuse it
+    instead of asking for an input the model already ran past. A visit is the occurrence of the block's output a
+    request made now asks for (``visit``): the same for every value of the block in one pass, through a generation
+    step's pin and its relaxing after the step's first value.
+    """
+    from nnsight.intervention.interleaver import Mediator
+
+    mediator = Mediator.current("the stream's [batch, seq]")
+    shapes = mediator.__dict__.setdefault("_nnterp_leading_shape", {})
+    key = visit(mediator, block_envoy)
+    if key not in shapes:
+        args, kwargs = block_envoy.inputs
+        hidden = args[0] if args else kwargs["hidden_states"]
+        shapes[key] = tuple(hidden.shape[:-1])
+    return shapes[key]
+
+
+def visit(mediator, block_envoy) -> tuple[str, int]:
+    """(the block, which of its calls): the occurrence of the block's output a request made now asks for. Keyed by
+    it, what a block's values share in one call (its [batch, seq]) is read once per call: a generation step, or a
+    run of a looped block."""
+    return block_envoy.path, mediator.wanted(f"{block_envoy.path}.output")
+
+
+def token_count(block_envoy, kwarg: str) -> int:
+    """How many positions of the stream are tokens in this forward pass, where the model pads it after them: the
+    block's keyword argument ``kwarg``, read from the block's input before its first value and kept per visit of the
+    block. A visit is the occurrence of the block's output that a request made now asks for: the same for every
+    value of the block in one pass, through a generation step's pin and its relaxing after the first value."""
+    from nnsight.intervention.interleaver import Mediator
+
+    mediator = Mediator.current("the stream's token count")
+    counts = mediator.__dict__.setdefault("_nnterp_token_count", {})
+    key = visit(mediator, block_envoy)
+    if key not in counts:
+        counts[key] = int(block_envoy.inputs[1][kwarg])
+    return counts[key]

@@ -1,0 +1,107 @@
+"""Model types that reuse an existing family's blocks: each, built from its default config's miniature,
+gives every value and the logits of plain hooks, and keeps its family's identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from nnterp import StandardizedTransformer
+from nnterp.core.validation import check_identity
+from nnterp.families import BY_MODEL_TYPE, SAME_BLOCKS
+from nnterp.proof.miniature import miniature_config
+
+from ..conftest import perturb, tiny_tokenizer
+from ..families.test_families import (
+    APERTUS_TRUTH,
+    CASES,
+    GPT2_TRUTH,
+    IDS,
+    LLAMA,
+    LLAMA4_DENSE,
+    LLAMA4_ROUTED,
+    NO_PRE_NORM,
+    ROUTED,
+    SHARED_NORM,
+    assert_placed_as_hooks,
+    hooks_and_reads,
+)
+
+TRUTH = {"Llama": LLAMA, "Cohere": SHARED_NORM(LLAMA), "OLMo-2": NO_PRE_NORM, "GPT-2": GPT2_TRUTH, "Granite": LLAMA,
+         "Apertus": APERTUS_TRUTH}
+TYPES = [(family, model_type) for family, types in SAME_BLOCKS.items() for model_type in types]
+
+
+def build(model_type, dtype=torch.float32):
+    """The type's default config, made whole where checkpoints always set what the default leaves out
+    (a head size, a key-value head count), then miniaturized."""
+    config = CONFIG_MAPPING[model_type]()
+    per_layer = config.get_text_config().per_layer_attributes or ()  # set by each layer: nothing to make whole
+    if "head_dim" not in per_layer and hasattr(config, "head_dim") and config.head_dim is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if ("num_key_value_heads" not in per_layer and hasattr(config, "num_key_value_heads")
+            and config.num_key_value_heads is None):
+        config.num_key_value_heads = config.num_attention_heads
+    for name, value in (("num_experts_per_tok", 2), ("n_routed_experts", 4), ("n_shared_experts", 1)):
+        if hasattr(config, name) and getattr(config, name) is None:
+            setattr(config, name, value)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types and getattr(config, "rope_parameters", None) == {}:  # rope keyed by layer type, left empty
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in layer_types}
+    torch.manual_seed(0)
+    return perturb(AutoModelForCausalLM.from_config(miniature_config(config))).to(dtype).eval()
+
+
+def truth_of(family, blocks):
+    """Where each value is, by the family's module layout; a mixture block is routed when it has experts."""
+    if family in TRUTH:
+        return lambda i: TRUTH[family]
+
+    def per_block(i):
+        mlp = blocks[i].feed_forward if family == "Llama 4" else blocks[i].mlp
+        routed = any("expert" in name for name, _ in mlp.named_modules())
+        if family == "Llama 4":
+            return LLAMA4_ROUTED if routed else LLAMA4_DENSE
+        return ROUTED if routed else LLAMA
+    return per_block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family, model_type", TYPES, ids=[t for _, t in TYPES])
+def test_the_type_gives_the_hooks_values(family, model_type, dtype):
+    hf = build(model_type, dtype)
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # validated on a miniature at load
+    assert model.family.name == family
+    hf.base_model_blocks = model.layers._module
+    truth = truth_of(family, hf.base_model_blocks)
+    ids = IDS % model.vocab_size
+    expected, saved, logits = hooks_and_reads(model, hf, truth, ids)
+    assert_placed_as_hooks(saved, expected, truth, model.num_layers)
+    compared = sum(where is not None for i in range(model.num_layers) for where in truth(i).values())
+    assert compared >= 8 * model.num_layers
+    assert all(result.exact for result in check_identity(model, ids))
+
+
+def test_every_added_type_is_registered_once():
+    added = [t for _, types in SAME_BLOCKS.items() for t in types]
+    assert len(added) == len(set(added)) == 48
+    assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
+    assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "flint", "bitnet", "diffllama", "mimo_v2_flash", "laguna", "axk2",
+                                        "dots3_note"])
+def test_attention_internals_that_do_not_hold_are_refused_and_the_rest_stays(model_type):
+    """Their attention is more than softmax(q·k)·v (sinks, sub-norms, gates, two softmaxes): the internals' proof
+    fails, so only they are unavailable."""
+    from nnterp import ValueUnavailable
+
+    model = StandardizedTransformer(build(model_type), tokenizer=tiny_tokenizer(256))
+    with pytest.raises(ValueUnavailable, match="does not compute them where"):
+        model.enable_attention_values()
+    ids = IDS % model.vocab_size
+    with torch.no_grad(), model.trace(ids):
+        out = model.layers[0].layer_output.save()
+    assert out.shape[:2] == ids.shape
