@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ./run.sh demo   set up (first time) and run the offline demo on the embedded model
 # ./run.sh test   set up (first time), lint (ruff) and run the test suite
+# ./run.sh test --fast   the inner loop: lint and the unit tier (tests/unit, under 2 minutes)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${NNTERP_VENV:-.venv}
@@ -36,7 +37,12 @@ install_chromium() {
 
 case "${1:-}" in
   demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
-  test) setup; install_chromium
+  test) setup
+        if [ "${2:-}" = "--fast" ]; then
+          "$VENV/bin/ruff" check nnterp tests benchmarks
+          HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q -rs tests/unit -m "not slow" "${@:3}"
+        fi
+        install_chromium
         # the real NDIF server of tests/remote/test_ndif_real.py, in its own Python 3.12 venv (once; where it cannot be set
         # up, the test skips and says why)
         NNTERP_VENV="$VENV" bash tests/remote/ndif/setup.sh || echo "run.sh: the NDIF server could not be set up (above); tests/remote/test_ndif_real.py will skip" >&2

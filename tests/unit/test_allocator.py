@@ -32,6 +32,7 @@ def faults(mode: str) -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.slow  # outside the fast tier (./run.sh test --fast)
 def test_tuned_allocator_reuses_freed_memory_instead_of_faulting_it_back():
     try:
         _glibc()

@@ -186,6 +186,7 @@ def test_padded_batch_gives_each_prompt_its_single_values(llama):
         assert torch.allclose(batch_mlp[row, -n:], single_mlp[0], atol=1e-5)
 
 
+@pytest.mark.slow  # outside the fast tier (./run.sh test --fast)
 def test_thousands_of_traces_keep_memory_flat(llama):
     import resource
 
@@ -259,6 +260,7 @@ def test_printing_the_model_shows_its_tree_once_and_the_standard_names(gptj):
     assert "unavailable (model.availability(0) says why):" in text and "layer_mid" in text.split("unavailable")[-1]
 
 
+@pytest.mark.slow  # outside the fast tier (./run.sh test --fast)
 def test_generated_docs_draw_no_transformers_warnings_and_leave_logging_as_found(capfd):
     from transformers.utils import logging as transformers_logging
 

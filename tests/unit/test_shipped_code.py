@@ -134,6 +134,7 @@ def test_the_runs_of_a_looped_block_ship_no_bytecode(tmp_path, payloads):
     assert_no_code_shipped(payloads)
 
 
+@pytest.mark.slow  # outside the fast tier (./run.sh test --fast)
 def test_every_tool_with_remote_ships_no_bytecode(gpt2, payloads, tmp_path):
     prompts = ["the cat sat on the mat", "Paris is in"]
     metric = logit_difference(5, 6)

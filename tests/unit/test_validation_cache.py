@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoModelForCausalLM
 
 from nnterp.families import BY_MODEL_TYPE
@@ -36,6 +37,7 @@ def _keys_of_a_new_process() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # outside the fast tier (./run.sh test --fast)
 def test_two_processes_share_every_familys_validation_key():
     first, second = _keys_of_a_new_process(), _keys_of_a_new_process()
     assert {"gpt2", "granite", "llama"} <= set(first) and len(first) > 50
