@@ -29,7 +29,8 @@ from conftest import tiny_tokenizer  # noqa: E402
 from timing import timed  # noqa: E402
 
 from nnterp import StandardizedTransformer  # noqa: E402
-from nnterp.tools.interventions import activation_patching, attribution_patching, logit_difference  # noqa: E402
+from nnterp.tools.metrics import logit_difference  # noqa: E402
+from nnterp.tools.patching import activation_patching, attribution_patching  # noqa: E402
 
 torch.set_num_threads(1)
 

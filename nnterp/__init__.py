@@ -2,8 +2,10 @@
 
 from .analysis import AnalysisUnavailable
 from .collection import Collection, CollectionError, collect
+from .compat import legacy as _legacy
 from .compat import paths as _paths
 from .core.allocator import tune_allocator
+from .core.edits import skip_layers
 from .core.inference import infer_family
 from .core.inputs import BadInput
 from .core.registry import RegistrationError, register_family, unregister_family
@@ -22,22 +24,17 @@ from .spec.errors import (
     ValueUnavailable,
 )
 from .tools.activation_cache import ActivationCache, run_with_cache
-from .tools.interventions import (
-    activation_patching,
-    add_to,
-    attribution_patching,
-    logit_difference,
-    patchscope_lens,
-    skip_layers,
-    steered_generate,
-    target_probability,
-)
 from .tools.lens import logit_lens, top_tokens
+from .tools.metrics import logit_difference, target_probability
+from .tools.patching import activation_patching, attribution_patching
+from .tools.patchscope import patchscope_lens
 from .tools.prompts import Prompt, first_tokens, run_prompts
+from .tools.steering import add_to, steered_generate
 from .tools.tuned_lens import TunedLens, load_tuned_lens
 from .version import __version__
 
 _paths.install()  # the module paths of before the packages (nnterp.lens, nnterp.nnsight_utils, ...)
+_legacy.install(StandardizedTransformer)  # nnterp 1.x's names and constructor arguments (the core has neither)
 
 __all__ = [
     "__version__",

@@ -2,7 +2,7 @@
 ``DeprecationWarning`` naming the new spelling.
 
 ``LegacyNames`` holds the 1.x names of the model, written against its public API, and ``legacy_arguments``
-translates 1.x constructor arguments; ``install`` gives both to a class that does not inherit the mixin. The 1.x
+translates 1.x constructor arguments; ``install`` gives both to the model class, from outside the core. The 1.x
 module paths (``nnterp.nnsight_utils``, ``nnterp.rename_utils``, ``nnterp.utils``, ``nnterp.display``,
 ``nnterp.prompt_utils``, the 1.x names in ``nnterp.interventions``) build on it. Where 1.x was wrong,
 the correct value is kept (``docs/migrating.md`` lists the differences).
@@ -10,7 +10,6 @@ the correct value is kept (``docs/migrating.md`` lists the differences).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import warnings
@@ -97,8 +96,9 @@ class AttentionInputs(ModuleList):
 
 
 class LegacyNames:
-    """nnterp 1.x's names on the model, each an adapter over today's API that warns with the new spelling (a mixin
-    of ``StandardizedTransformer``; plain methods and explicit calls: the class travels by value to remote servers)."""
+    """nnterp 1.x's names on the model, each an adapter over today's API that warns with the new spelling (copied
+    onto ``StandardizedTransformer`` by ``install``; plain methods and explicit calls: the class travels by value to
+    remote servers)."""
 
     @property
     def _model(self):
@@ -511,23 +511,10 @@ def legacy_arguments(model, tokenizer, validate: bool, attention_values: bool, d
 
 
 def install(cls) -> None:
-    """Give the model class the 1.x names and constructor arguments, where it does not inherit ``LegacyNames`` and
-    call ``legacy_arguments`` itself (called by ``nnterp/__init__.py``)."""
-    if issubclass(cls, LegacyNames):
-        return
+    """Give the model class the 1.x names (``LegacyNames``) and constructor arguments (``legacy_arguments``, through
+    the class's ``_nnterp_arguments``), from outside the core (called by ``nnterp/__init__.py``). A name the class
+    already has, its own or a base's, stays the standard one."""
     for name, value in vars(LegacyNames).items():
-        if not name.startswith("__"):
+        if not name.startswith("__") and not hasattr(cls, name):
             setattr(cls, name, value)
-    init = cls.__init__
-    if not getattr(init, "_nnterp_legacy", False):
-        @functools.wraps(init)
-        def __init__(self, model, tokenizer=None, *, validate: bool = True, attention_values: bool = False,  # noqa: N807
-                     dispatch: bool = True, **from_pretrained_kwargs):
-            model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs, after = legacy_arguments(
-                model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs)
-            init(self, model, tokenizer, validate=validate, attention_values=attention_values, dispatch=dispatch,
-                 **from_pretrained_kwargs)
-            after(self)
-
-        __init__._nnterp_legacy = True
-        cls.__init__ = __init__
+    cls._nnterp_arguments = staticmethod(legacy_arguments)

@@ -18,9 +18,9 @@ MOVED = {
                                          "order readout registry remote remote_env standardized structure tokens "
                                          "validation").split()},
     "splicing": "dictionaries.splicing",
-    **{name: f"tools.{name}" for name in ("activation_cache embedded interventions lens patching plots prompts "
-                                          "tuned_lens").split()},
-    **{name: f"compat.{name}" for name in "display legacy nnsight_utils prompt_utils rename_utils utils".split()},
+    **{name: f"tools.{name}" for name in "activation_cache embedded lens patching plots prompts tuned_lens".split()},
+    **{name: f"compat.{name}" for name in ("display interventions legacy nnsight_utils prompt_utils rename_utils "
+                                           "utils").split()},
     "doctest_runner": "documentation.doctest_runner",
 }
 
@@ -35,10 +35,13 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec):
-        return importlib.import_module(f"nnterp.{MOVED[spec.name.partition('.')[2]]}")
+        module = importlib.import_module(f"nnterp.{MOVED[spec.name.partition('.')[2]]}")
+        spec.loader_state = module.__spec__  # the import system sets this alias's spec on the module: kept to undo it
+        return module
 
     def exec_module(self, module):
-        pass  # the module at the new path is already executed
+        # the module at the new path is already executed; it keeps its own spec (its relative imports read it)
+        module.__spec__ = module.__spec__.loader_state
 
 
 def install() -> None:

@@ -20,7 +20,7 @@ from ..families import Block, Family
 from ..spec import attention
 from ..spec.catalog import value_named
 from ..spec.errors import NNterpError, RunNotChosen, ValueUnavailable
-from ..spec.locations import At, Unavailable
+from ..spec.locations import At, Unavailable, envoy_at
 from ..spec.views import View
 
 
@@ -220,11 +220,11 @@ class BoundValue:
         self.prepare = model._nnterp_pass  # what a pass prepares before its first value (None: nothing)
         # the module's own tensor, with no view or copy: read as directly as raw nnsight reads it
         self.plain = self.envoy is not None and not location._derived and not (self.unchosen or self.pinned)
-        self.output, self.index = location.side == "output", location.index
-        self.arg, self.kwarg = location.arg, location.kwarg
         # where nnsight serves the module's output or inputs (what ``envoy.output`` / ``envoy.inputs`` ask for, their
-        # views being the identity): a plain read asks nnsight's mediator for it directly
-        self.where = None if self.envoy is None else f"{self.envoy.path}.{'output' if self.output else 'input'}"
+        # views being the identity): a plain read asks nnsight's mediator for it directly, and takes the location's
+        # element of it (bound once: a read makes no lookup of it)
+        self.where = None if self.envoy is None else f"{self.envoy.path}.{location.side}"
+        self.element = location.element
 
     def __repr__(self) -> str:
         return f"<{self.label()}: {self.location.describe()}>"
@@ -239,11 +239,7 @@ class BoundValue:
         if not self.plain:
             return self._step(self._view)
         try:
-            if self.output:
-                raw = Mediator.value(self.where)
-                return raw[self.index] if isinstance(raw, (tuple, list)) else raw
-            args, kwargs = Mediator.value(self.where)
-            return args[self.arg] if len(args) > self.arg else kwargs[self.kwarg]
+            return self.element(Mediator.value(self.where))
         except OutOfOrderError as error:
             raise self._out_of_order(error) from None
 
@@ -335,14 +331,6 @@ def preparation(model: WrappedModel, blocks, sourced: tuple[str, ...]) -> PassPr
     if not (sourced or views):
         return None
     return PassPreparation(model, sourced, tuple(views.values()))
-
-
-def envoy_at(model: Any, path: str):
-    """The envoy of the module at native path ``path``."""
-    envoy = model
-    for part in path.split("."):
-        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
-    return envoy
 
 
 class ValueOutsideTrace:

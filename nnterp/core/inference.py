@@ -14,12 +14,17 @@ or what failed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 from transformers import PretrainedConfig
 
 from ..families import ROUTED, Family, Unavailable, input, output, parallel_block, pre_norm_block
 from ..spec.errors import UnknownArchitecture
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # its module imports the model machinery: not at import
 
 ATTENTION = ("self_attn", "attn", "attention", "self_attention", "multi_head_attention")
 MLP = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
@@ -45,7 +50,16 @@ def _child(module: torch.nn.Module, names: tuple[str, ...], kind: str | None = N
     return None
 
 
-def _model_level(model: torch.nn.Module, layers: int, vocab: int) -> dict[str, str]:
+class _ModelLevel(TypedDict):
+    """The model-level paths of a decoder (``Family``'s fields of the same names)."""
+
+    layers: str
+    embed_tokens: str
+    ln_final: str
+    lm_head: str
+
+
+def _model_level(model: PreTrainedModel, layers: int, vocab: int) -> _ModelLevel:
     """Where the blocks, the embedding, the final norm and the head are, or what could not be found."""
     lists = [(name, module) for name, module in model.named_modules()
              if isinstance(module, torch.nn.ModuleList) and len(module) == layers and name]
@@ -66,14 +80,16 @@ def _model_level(model: torch.nn.Module, layers: int, vocab: int) -> dict[str, s
                if not found]
     if missing:
         raise LookupError(", ".join(missing))
-    return dict(layers=blocks, embed_tokens=embeddings[0], ln_final=f"{backbone}.{norms[0]}", lm_head=head_name)
+    assert head_name is not None  # it is among the missing otherwise
+    return _ModelLevel(layers=blocks, embed_tokens=embeddings[0], ln_final=f"{backbone}.{norms[0]}", lm_head=head_name)
 
 
 def _norms_in_call_order(model: torch.nn.Module, layers: str, vocab: int) -> list[list[str]]:
     """Each block's norm children, in the order one forward pass of the miniature calls them."""
-    order: list[list[str]] = [[] for _ in model.get_submodule(layers)]
+    blocks = cast(torch.nn.ModuleList, model.get_submodule(layers))  # ``layers``: the list _model_level found
+    order: list[list[str]] = [[] for _ in blocks]
     handles = [norm.register_forward_pre_hook(lambda *_, i=i, name=name: order[i].append(name))
-               for i, block in enumerate(model.get_submodule(layers))
+               for i, block in enumerate(blocks)
                for name, norm in block.named_children() if _is_norm(norm)]
     try:
         with torch.no_grad():
@@ -105,7 +121,7 @@ def _block_shape(block: torch.nn.Module, norms: list[str]) -> dict:
                 act=f"{mlp}.{act}" if act else "", down_proj=f"{mlp}.{down}" if down else "")
 
 
-def _candidates(shapes: list[dict]) -> list[tuple[str, callable]]:
+def _candidates(shapes: list[dict]) -> list[tuple[str, Callable]]:
     """(description, block function) for every block shape the names allow."""
     def make(build):
         def block(config, i):

@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import pickletools
 import sys
+from typing import Any
 
 from nnsight.intervention.backends.remote import RemoteBackend
 
@@ -113,6 +114,7 @@ def holds_bytecode(payload: bytes, compressed: bool = False) -> bool:
         return False
     memo: list = []
     pushed: list = [None, None]  # the last two values pushed (what STACK_GLOBAL and a call take)
+    argument: Any  # its type is the opcode's: an int for the GETs, a string for GLOBAL
     for opcode, argument, _ in pickletools.genops(payload):
         name = opcode.name
         if name == "FRAME":  # framing only: pushes nothing

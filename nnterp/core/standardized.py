@@ -9,13 +9,13 @@ remote execution (``remote``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import transformers
 from nnsight.modeling.transformers import TransformersModel
 
 from .. import proof
-from ..compat.legacy import LegacyNames, legacy_arguments
 from ..families import Family
 from ..spec import attention
 from ..spec.locations import At
@@ -33,7 +33,7 @@ __all__ = ["StandardizedTransformer", "Availability", "AvailabilityTable", "sche
            "forward_events"]
 
 
-class StandardizedTransformer(LegacyNames, Values, ValueOrder, Readout, AttentionValues, RemoteExecution,
+class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, RemoteExecution,
                               TransformersModel):
     """A causal LM whose blocks expose the standard values under the standard names.
 
@@ -55,11 +55,18 @@ class StandardizedTransformer(LegacyNames, Values, ValueOrder, Readout, Attentio
     NDIF hosts, and ships the standard names with it.
     """
 
+    # The keywords of an older API, translated: ``translate(model, tokenizer, validate, attention_values, dispatch,
+    # from_pretrained_kwargs)`` returns them in today's terms and ``after(model)``, run once the model is wrapped.
+    # The core takes its own keywords only; nnterp.compat.legacy.install sets nnterp 1.x's (the core imports no compat)
+    _nnterp_arguments: Callable[..., tuple] | None = None
+
     def __init__(self, model: str | os.PathLike | transformers.PreTrainedModel, tokenizer=None, *, validate: bool = True,
                  attention_values: bool = False, dispatch: bool = True, **from_pretrained_kwargs):
-        # nnterp 1.x's arguments, translated (and the checks they ask for once the model is wrapped)
-        model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs, after = legacy_arguments(
-            model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs)
+        after = None
+        translate = StandardizedTransformer._nnterp_arguments
+        if translate is not None:  # an older API's keywords, in today's terms
+            model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs, after = translate(
+                model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs)
         loaded = load(StandardizedTransformer, model, tokenizer, validate, dispatch, from_pretrained_kwargs)
         model, tokenizer, family, lazy, validated = (loaded.model, loaded.tokenizer, loaded.family, loaded.lazy,
                                                      loaded.validated)
@@ -122,7 +129,8 @@ class StandardizedTransformer(LegacyNames, Values, ValueOrder, Readout, Attentio
         self._forward_events = validated or forward_events(model)
         if attention_values:
             self.enable_attention_values()
-        after(self)
+        if after is not None:
+            after(self)
 
     def __repr__(self) -> str:
         """The model's own module tree (standard aliases shown as ``alias/native``), then the standard names."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import nnsight
 import numpy as np
@@ -40,7 +41,8 @@ def to_str_tokens(model, text_or_ids) -> list[str] | list[list[str]]:
     if isinstance(text_or_ids, (list, tuple)):
         if all(isinstance(item, int) for item in text_or_ids):
             return [tokenizer.decode([i]) for i in text_or_ids]
-        return [to_str_tokens(model, item) for item in text_or_ids]
+        # the rows: each a string or ids, so each gives a list of strings
+        return [cast("list[str]", to_str_tokens(model, item)) for item in text_or_ids]
     raise TypeError(f"to_str_tokens takes a string, a list of strings, or token ids, not {type(text_or_ids).__name__}.")
 
 
@@ -187,14 +189,14 @@ def test_prompt(model, prompt: str, answer, top_k: int = 10, prepend_space: bool
             token=tokenizer.decode([token_id]), id=token_id, rank=int((p > p[token_id]).sum()) + 1,
             probability=float(p[token_id]), logit=float(logits[k, token_id]),
             top=[(visible(tokenizer.decode([int(i)])), float(q)) for i, q in zip(top.indices, top.values)]))
-    report = "\n".join([f"Prompt: {[visible(t) for t in to_str_tokens(model, prompt_ids)]}",
-                         f"Answer: {[visible(t) for t in to_str_tokens(model, answer_ids)]}",
+    report = "\n".join([f"Prompt: {[visible(tokenizer.decode([i])) for i in prompt_ids]}",
+                         f"Answer: {[visible(tokenizer.decode([i])) for i in answer_ids]}",
                          *map(str, results)])
     if print_results:
         print(report)
     return AnswerTokens(results, report, printed=print_results)
 
 
-test_prompt.__test__ = False  # a library function, not a test for pytest to collect
+test_prompt.__test__ = False  # type: ignore[attr-defined]  # a library function, not a test for pytest to collect
 
 __all__ = ["AnswerToken", "AnswerTokens", "single_token", "test_prompt", "to_str_tokens", "token_ids", "visible"]

@@ -12,13 +12,13 @@ from ..proof import (
     IDENTITY_TERMS,
     IdentityResult,
     ValidationError,
-    build_miniature,
     check_identity,
     identity_of,
     problems_of,
     read_blocks,
     validation_key,
 )
+from ..proof.miniature import build_miniature
 from .standardized import StandardizedTransformer
 
 

@@ -68,7 +68,7 @@ class Splice:
         self._state = "open"
         layer, value = self.site
         live = self.model.read_value(layer, value)
-        flat = _flat(live, self.dictionary.d_in, self.site)
+        flat = flatten_heads(live, self.dictionary.d_in, self.site)
         # of the live value: gradients reach the features
         features, self._scale, self._encoded = self.dictionary._encode(flat)
         self._input = flat.detach().clone()
@@ -92,7 +92,7 @@ class Splice:
         dictionary = self.dictionary
         layer, value = self.out_site or self.site
         live = self.model.read_value(layer, value) if self.out_site else self._live
-        target = _flat(live, dictionary.d_out, (layer, value))
+        target = flatten_heads(live, dictionary.d_out, (layer, value))
         features = self.features
         if not isinstance(features, torch.Tensor) or features.shape != self._original.shape:
             raise DictionaryError(f"splice.features is the features tensor {list(self._original.shape)}; it was "
@@ -168,8 +168,7 @@ def _check_module(model, dictionary, layer: int, value: str, location, path: str
     hf = model._module
     prefix = hf.base_model_prefix if hf.base_model is not hf else ""
     expected = ".".join(filter(None, (prefix, path)))
-    viewed = (location.heads or location.unflatten or location.heads_first or location.prefix or
-              location.streams_first or location.count or location.join)
+    viewed = bool(location.views) or location.join
     if location.op or location.side != side or model.block_path(layer, location.path) != expected or viewed or (
             side == "output" and location.index != 0):
         raise DictionaryError(
@@ -184,7 +183,7 @@ def _rank(model, site) -> tuple[int, int]:
     return layer, model.order(layer)[BY_NAME[value].key]
 
 
-def _flat(tensor: torch.Tensor, width: int, site) -> torch.Tensor:
+def flatten_heads(tensor: torch.Tensor, width: int, site) -> torch.Tensor:
     """A per-head value ``[..., heads, head_dim]`` as the ``[..., heads * head_dim]`` a dictionary reads there
     (SAELens's ``hook_z`` reshaping); other values as they are."""
     if tensor.shape[-1] != width and tensor.dim() == 4 and tensor.shape[-2] * tensor.shape[-1] == width:
@@ -219,7 +218,7 @@ def top_activations(model, dictionary: Dictionary, prompts: str | Sequence[str],
     for start in range(0, len(prompts), batch_size):
         inputs = model.tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True)
         with torch.no_grad(), model.trace(inputs, remote=remote) as tracer:
-            hidden = _flat(model.read_value(layer, value), dictionary.d_in, (layer, value))
+            hidden = flatten_heads(model.read_value(layer, value), dictionary.d_in, (layer, value))
             activations = nnsight.save(dictionary.encode(hidden)[..., feature].float().cpu())
             tracer.stop()
         mask = inputs.attention_mask.bool()
@@ -230,4 +229,4 @@ def top_activations(model, dictionary: Dictionary, prompts: str | Sequence[str],
     return sorted(found, key=lambda item: -item[0])[:k]
 
 
-__all__ = ["Splice", "place", "splice", "top_activations"]
+__all__ = ["Splice", "flatten_heads", "place", "splice", "top_activations"]

@@ -15,7 +15,6 @@ from transformers import PretrainedConfig
 
 from ..spec.errors import UnknownArchitecture
 from .base import (
-    MODEL_LAYERS,
     OWN_ATTENTION,
     ROUTED,
     Block,
@@ -35,14 +34,15 @@ from .ctrl import CTRL
 from .dbrx import DBRX
 from .deepseek_v4 import DEEPSEEK_V4
 from .dory import DORY
-from .dual_pair import LONGCAT_FLASH
 from .falcon import FALCON
+from .falcon_h1 import FALCON_H1
 from .gated import DOGE, ZAYA
 from .gemma3n import GEMMA3N
 from .gemma4 import GEMMA4, GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL
 from .gpt2 import GPT2, GPT_BIGCODE
 from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
+from .gpt_neox_japanese import GPT_NEOX_JAPANESE
 from .gptj import CODEGEN, GPTJ
 from .granite import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, HYPERCLOVAX, MINICPM3
 from .hrm_text import HRM_TEXT
@@ -65,48 +65,25 @@ from .inkling2 import INKLING2, INKLING2_LOOP
 from .kimi_linear import BAILING_HYBRID, KIMI_LINEAR
 from .llama import GEMMA, LLAMA, MISTRAL, OLMO, QWEN2, QWEN3, SMOLLM3
 from .llama4 import LLAMA4
+from .longcat_flash import LONGCAT_FLASH
 from .minimax import MINIMAX
 from .modernbert_decoder import MODERNBERT_DECODER
 from .moe import DEEPSEEK_V3, GPT_OSS, JETMOE, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from .mpt import MPT
-from .multimodal import MULTIMODAL
+from .multimodal import EMU3, FUYU, GOT_OCR2, MOSHI, MOSS_TRANSCRIBE_DIARIZE, PHI4_MULTIMODAL
 from .openai_gpt import OPENAI_GPT
 from .opt import OPT
 from .parallel import COHERE, COHERE2_MOE, PHI, STABLELM
 from .phi3 import PHI3
 from .qwen4_exp import QWEN4_EXP
 from .recurrent import FALCON_MAMBA, MAMBA, MAMBA2, NEMOTRON_H, RWKV, XLSTM
+from .recurrent_gemma import RECURRENT_GEMMA
 from .reformer import REFORMER
 from .renamed import APERTUS, GLM, NANOCHAT, PERSIMMON, STARCODER2, VAULTGEMMA
 from .sandwich import AFMOE, FLEX_OLMO, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, GLM4, KOLIBRI1, OLMO2, OLMO3
-from .topology import FALCON_H1, GPT_NEOX_JAPANESE, RECURRENT_GEMMA
 from .unserved import WHERE_SERVED, why_not_served
 from .zamba import ZAMBA, ZAMBA2
 
-FAMILIES: tuple[Family, ...] = (
-    GPT2, GPTJ, GPT_NEO, GPT_NEOX, BLOOM, MPT, FALCON, OPT, PHI, GPT_BIGCODE, STABLELM, CODEGEN,
-    LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, GEMMA, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, OLMO, OLMO2, OLMO3, PHI3, COHERE, GRANITE,
-    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3, GEMMA4, DOGE, ZAYA, DEEPSEEK_V4,
-    STARCODER2, GLM, NANOCHAT, VAULTGEMMA, APERTUS, PERSIMMON, CTRL, BIOGPT, XGLM, GLM4, KOLIBRI1, FLEX_OLMO,
-    GRANITE_MOE, HYPERCLOVAX, LLAMA4, COHERE2_MOE, AFMOE, JETMOE, BEAM,
-    MINICPM3, HY_V4,
-)
-FAMILIES += (JAMBA, BAMBA, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, LARA_MINI, OLMO_HYBRID, LFM2, LFM2_MOE, LFM3,
-             GRANITE_MOE_HYBRID, QWEN4_EXP)  # hybrids: attention on some blocks, another token mixer on the others
-FAMILIES += MULTIMODAL  # image, audio and speech models whose language model is a served decoder
-FAMILIES += (GRANITE_MOE_SHARED, RECURRENT_GEMMA, FALCON_H1, GPT_NEOX_JAPANESE)  # blocks of another topology (tests/families/test_topology.py)
-FAMILIES += (MAMBA, MAMBA2, FALCON_MAMBA, RWKV, XLSTM, NEMOTRON_H,  # recurrent: no attention adds to the stream
-             ZAMBA, ZAMBA2)  # (tests/families/test_recurrent.py)
-FAMILIES += (GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, DBRX, MODERNBERT_DECODER,
-             INKLING, KIMI_LINEAR, BAILING_HYBRID)  # read after the census
-FAMILIES += (LONGCAT_FLASH,)  # two attention-MLP pairs per block (tests/families/test_longcat_flash.py)
-FAMILIES += (CPMANT,)  # prompt positions prepended to the stream (tests/families/test_cpmant.py)
-FAMILIES += (DORY, HRM_TEXT, INKLING2_LOOP)  # a section of blocks that runs several times per pass (tests/families/test_looped.py)
-FAMILIES += (GEMMA3N,)  # AltUp streams stacked on the first axis (tests/families/test_gemma3n.py)
-FAMILIES += (INKLING2,)  # attention residuals over blocks of layers (tests/families/test_inkling2.py)
-FAMILIES += (REFORMER,)  # a stream passed between blocks in two halves (tests/families/test_reformer.py)
-FAMILIES += (OPENAI_GPT,)  # post-norm blocks, no final norm (tests/families/test_openai_gpt.py)
-FAMILIES += (MINIMAX,)  # adds from the normed stream, scaled by factors (tests/families/test_minimax.py)
 # Model types whose blocks are an existing family's, module for module (each proven, like every other, on a
 # miniature of its config before its values are trusted; tests/families/test_more_types.py compares them with hooks)
 SAME_BLOCKS: dict[str, tuple[str, ...]] = {
@@ -126,7 +103,26 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
                     "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2"),
 }
-FAMILIES = tuple(dataclasses.replace(f, model_types=f.model_types + SAME_BLOCKS.get(f.name, ())) for f in FAMILIES)
+
+
+def _with_same_blocks(family: Family) -> Family:
+    return dataclasses.replace(family, model_types=family.model_types + SAME_BLOCKS.get(family.name, ()))
+
+
+# every family, in alphabetical order of its constant; no two claim a model type, so the order decides only
+# where the docs' tables list them
+FAMILIES: tuple[Family, ...] = tuple(map(_with_same_blocks, (
+    AFMOE, APERTUS, BAILING_HYBRID, BAMBA, BEAM, BIOGPT, BLOOM, CODEGEN, COHERE, COHERE2_MOE, CPMANT, CTRL, DBRX,
+    DEEPSEEK_V3, DEEPSEEK_V4, DOGE, DORY, EMU3, FALCON, FALCON_H1, FALCON_MAMBA, FLEX_OLMO, FUYU, GEMMA, GEMMA2,
+    GEMMA3, GEMMA3N, GEMMA3_MULTIMODAL, GEMMA4, GEMMA4_MULTIMODAL, GEMMA4_UNIFIED, GEMMA4_UNIFIED_MULTIMODAL, GLM,
+    GLM4, GOT_OCR2, GPT2, GPTJ, GPT_BIGCODE, GPT_NEO, GPT_NEOX, GPT_NEOX_JAPANESE, GPT_OSS, GRANITE, GRANITE_MOE,
+    GRANITE_MOE_HYBRID, GRANITE_MOE_SHARED, HRM_TEXT, HYPERCLOVAX, HY_V4, INKLING, INKLING2, INKLING2_LOOP, JAMBA,
+    JETMOE, KIMI_LINEAR, KOLIBRI1, LARA_MINI, LFM2, LFM2_MOE, LFM3, LLAMA, LLAMA4, LONGCAT_FLASH, MAMBA, MAMBA2,
+    MINICPM3, MINIMAX, MISTRAL, MIXTRAL, MODERNBERT_DECODER, MOSHI, MOSS_TRANSCRIBE_DIARIZE, MPT, NANOCHAT,
+    NEMOTRON_H, OLMO, OLMO2, OLMO3, OLMOE, OLMO_HYBRID, OPENAI_GPT, OPT, PERSIMMON, PHI, PHI3, PHI4_MULTIMODAL,
+    QWEN2, QWEN2_MOE, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT, QWEN4_EXP, RECURRENT_GEMMA, REFORMER,
+    RWKV, SMOLLM3, STABLELM, STARCODER2, VAULTGEMMA, XGLM, XLSTM, ZAMBA, ZAMBA2, ZAYA,
+)))
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 
@@ -184,5 +180,5 @@ def for_config(family: Family, config: PretrainedConfig) -> Family:
 
 
 # the pieces a spec is made of, for a user's own family (``nnterp.register_family``)
-__all__ = ["FAMILIES", "BY_MODEL_TYPE", "MODEL_LAYERS", "OWN_ATTENTION", "ROUTED", "Block", "Family", "SameAs",
+__all__ = ["FAMILIES", "BY_MODEL_TYPE", "OWN_ATTENTION", "ROUTED", "Block", "Family", "SameAs",
            "Unavailable", "family_of", "input", "output", "parallel_block", "pre_norm_block"]

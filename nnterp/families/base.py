@@ -215,11 +215,6 @@ def softcap_logits(logits: torch.Tensor, config: PretrainedConfig) -> torch.Tens
     return torch.tanh(logits / cap) * cap
 
 
-# Llama's module layout, which ``Family``'s paths default to (kept for specs that spell it out with it)
-MODEL_LAYERS = dict(layers="model.layers", embed_tokens="model.embed_tokens", ln_final="model.norm",
-                    attention="self_attn", mlp="mlp")
-
-
 # -- shared shapes ----------------------------------------------------------------
 
 
@@ -326,4 +321,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["MODEL_LAYERS", "OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

@@ -36,7 +36,8 @@ def _block(config, i):
         identity=Custom(
             f"layer_output = mlp_output / sqrt({k + 1}) + (attention_output / sqrt({k}) + layer_input * "
             f"sqrt({k - 1}/{k})) * sqrt({k}/{k + 1})",
-            lambda t, block: _add(t["mlp_output"], _add(t["attention_output"], t["layer_input"], k), k + 1)),
+            lambda t, block: _add(t["mlp_output"], _add(t["attention_output"], t["layer_input"], k), k + 1),
+            reads=("layer_input", "attention_output", "mlp_output")),
     )
 
 

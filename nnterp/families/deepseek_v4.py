@@ -52,7 +52,8 @@ def _block(config, i):
     return Block(
         values={**base.values, **(dict.fromkeys(over_keys, _COMPRESSED) if compressed else {})},
         identity=Custom(FORMULA, lambda t, _: _mix(t["ffn_post"], t["ffn_comb"], t["mlp_output"], _mix(
-            t["attn_post"], t["attn_comb"], t["attention_output"], t["layer_input"]))),
+            t["attn_post"], t["attn_comb"], t["attention_output"], t["layer_input"])),
+            reads=("layer_input", "attention_output", "mlp_output", "attn_post", "attn_comb", "ffn_post", "ffn_comb")),
         extra={"attn_post": output("attn_hc", index=0), "attn_comb": output("attn_hc", index=1),
                "ffn_post": output("ffn_hc", index=0), "ffn_comb": output("ffn_hc", index=1)},
     )

@@ -58,7 +58,7 @@ def _dory_block(config, i):
             "mlp_output": output("post_feedforward_layernorm"),
             "layer_output": output(""),
         },
-        identity=Custom(FORMULA, lambda t, block: _interpolated(block, t), mid=_mid),
+        identity=Custom(FORMULA, lambda t, block: _interpolated(block, t), mid=_mid, reads=("layer_input", "attention_output", "mlp_output")),
     )
 
 

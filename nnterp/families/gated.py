@@ -43,7 +43,8 @@ def _zaya_block(config, i):
             "layer_output = (mlp_output + hb2) * hs2 + (layer_mid + rb2) * rs2 "
             "(the parameters of post_attention_residual_scale and post_mlp_residual_scale)",
             lambda t, block: _scaled(block.post_mlp_residual_scale, t["mlp_output"],
-                                     _scaled(block.post_attention_residual_scale, t["attention_output"], t["layer_input"]))),
+                                     _scaled(block.post_attention_residual_scale, t["attention_output"], t["layer_input"])),
+            reads=("layer_input", "attention_output", "mlp_output")),
     )
 
 

@@ -71,7 +71,8 @@ def _block(config, i):
         **(_REUSED if config.kv_sharing_modes[i] == "reuse" else {}),
     )
     return Block(
-        values=base.values, identity=Custom(FORMULA, _combine),
+        values=base.values,
+        identity=Custom(FORMULA, _combine, reads=("layer_input", "attention_output", "mlp_output", "A", "C", "laurel", "per_layer")),
         extra={"A": output("altup.prediction_coefs"), "laurel": output("laurel"),
                "C": output("altup.correction_coefs"), "per_layer": output("post_per_layer_input_norm")},
     )

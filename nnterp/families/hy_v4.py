@@ -38,7 +38,8 @@ def _block(config, i):
     return Block(
         values=base.values,
         identity=Custom(FORMULA, lambda t, _: _broadcast_add(t["ffn_post"], t["mlp_output"], _broadcast_add(
-            t["attn_post"], t["attention_output"], t["layer_input"]))),
+            t["attn_post"], t["attention_output"], t["layer_input"])),
+            reads=("layer_input", "attention_output", "mlp_output", "attn_post", "ffn_post")),
         extra={"attn_post": output("attn_hc", index=0), "ffn_post": output("ffn_hc", index=0)},
     )
 

@@ -80,11 +80,11 @@ def _block(config, i):
     if restarts:
         return Block(values=base.values, identity=Custom(
             RESTART, lambda t, _: (t["attention_output"].float() + t["mlp_output"]).to(t["layer_input"].dtype),
-            mid=lambda t, _: t["mixer_output"].float()))
+            mid=lambda t, _: t["mixer_output"].float(), reads=("layer_input", "attention_output", "mlp_output")))
     return Block(values=base.values, identity=Custom(
         FORMULA, lambda t, _: ((t["layer_input"].float() + t["attention_output"].float()) + t["mlp_output"]).to(
             t["layer_input"].dtype),
-        mid=lambda t, _: t["layer_input"].float() + t["mixer_output"].float()))
+        mid=lambda t, _: t["layer_input"].float() + t["mixer_output"].float(), reads=("layer_input", "attention_output", "mlp_output")))
 
 
 INKLING2 = Family(

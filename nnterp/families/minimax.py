@@ -45,7 +45,7 @@ def _minimax_block(config, i):
     attention = is_attention(config, i)
     block = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj" if attention else "",
-        post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="", identity=Custom(FORMULA, _scaled_adds),
+        post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="", identity=Custom(FORMULA, _scaled_adds, reads=("layer_input", "attention_output", "mlp_output")),
         mlp_activation=ROUTED, mlp_neurons=ROUTED,
         # the MLP's input is also the residual of the MLP add: read as a copy swapped in for the MLP alone, so an
         # edit of mlp_input is the MLP's (an edit of mlp_norm_output reaches both)

@@ -22,9 +22,11 @@ from ..spec.identity import Custom
 from .base import ROUTED, Block, Family, input, output, pre_norm_block
 from .hybrid import mixer_block
 
-FORMULA = ("layer_mid = (layer_input + P) + (attention_output[..., None, :] * attn_w[..., None]).flatten(-2); "
-           "layer_output = layer_mid + (mlp_output[..., None, :] * mlp_w[..., None]).flatten(-2) "
-           "(attn_w, mlp_w: element 2 of the hyper-connections' outputs; P: the ple branch, on its layers)")
+_INJECTIONS = ("(attention_output[..., None, :] * attn_w[..., None]).flatten(-2); "
+               "layer_output = layer_mid + (mlp_output[..., None, :] * mlp_w[..., None]).flatten(-2) "
+               "(attn_w, mlp_w: element 2 of the hyper-connections' outputs")
+FORMULA = f"layer_mid = (layer_input + P) + {_INJECTIONS}; P: the ple branch, on its layers)"
+NO_PLE = f"layer_mid = layer_input + {_INJECTIONS})"  # the layers without the ple branch
 
 
 def _inject(stream, branch, weights):
@@ -41,10 +43,10 @@ def _block(config, i):
         layer_mid=input("mlp_hyper_connection", shared=True),  # the gated residual keeps it as the stream
         mlp_norm_output=output("mlp_hyper_connection", index=0),
         identity=Custom(
-            FORMULA if has_ple else FORMULA.replace("(layer_input + P)", "layer_input").partition(" (")[0]
-            + " (attn_w, mlp_w: element 2 of the hyper-connections' outputs)",
+            FORMULA if has_ple else NO_PLE,
             lambda t, _: _inject(_inject(t["layer_input"] + t["P"] if has_ple else t["layer_input"],
-                                         t["attention_output"], t["attn_w"]), t["mlp_output"], t["mlp_w"])),
+                                         t["attention_output"], t["attn_w"]), t["mlp_output"], t["mlp_w"]),
+            reads=("layer_input", "attention_output", "mlp_output", "attn_w", "mlp_w") + (("P",) if has_ple else ())),
     )
     block = Block(values=base.values, identity=base.identity,
                   extra={"attn_w": output("attn_hyper_connection", index=2),

@@ -83,7 +83,8 @@ def _mamba_block(name: str):
                 "layer_output": output(""),
                 **not_attention(i, f"a {name} mixer"),
             },
-            identity=(Custom("layer_output = float32(layer_input) + mixer_output  (residual_in_fp32)", _float32_residual)
+            identity=(Custom("layer_output = float32(layer_input) + mixer_output  (residual_in_fp32)", _float32_residual,
+                             reads=("layer_input", "mixer_output"))
                       if config.residual_in_fp32 else Sum(X + MIXER)),
         )
     return block

@@ -80,7 +80,7 @@ def _block(config, i):
             # ReformerOutput(hidden_states=Y2, attn_output=Y1, ...): the stream is [Y1, Y2]
             "layer_output": at(output, "", join=(output("", index=1), output("", index=0))),
         },
-        identity=Custom(FORMULA, _combine),
+        identity=Custom(FORMULA, _combine, reads=("layer_input", "attention_output", "mlp_output")),
     )
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
-import re
-import types
 import warnings
 from dataclasses import dataclass
+from typing import Any, cast
 
 import nnsight
 import torch
@@ -23,13 +21,14 @@ from ..families import Proving, family_of, for_config
 from ..families.base import ROUTED
 from ..spec.catalog import BY_NAME, CATALOG, IDENTITY_TERMS, STREAM
 from ..spec.errors import NNterpError
+from ..spec.fingerprint import fingerprint
 from ..spec.identity import SEQUENTIAL, evaluate, names_in
 from ..spec.locations import At
 from ..spec.selection import block_calls
 from ..spec.sourced import sourced
 from ..version import __version__
 from .cache import cache_root
-from .miniature import miniature_config, quiet_transformers
+from .miniature import build_miniature, miniature_config, quiet_transformers
 
 
 @sourced
@@ -92,7 +91,8 @@ def check_identity(model, inputs=None, remote: bool | str = False) -> list[Ident
                       for _, key, location in model.timeline(i)
                       if key.startswith("extra.") or key.rpartition(".")[2] in IDENTITY_TERMS}
             results.append(_recompute(model, i, values))
-    return [IdentityResult(i, model.block_spec(i).formula, *result, run) for (i, run), result in zip(calls, results)]
+    return [IdentityResult(i, model.block_spec(i).formula, exact, diff, run)
+            for (i, run), (exact, diff) in zip(calls, results)]
 
 
 # -- validation at load, on a miniature of the config ------------------------------------
@@ -126,40 +126,6 @@ CACHE_FORMAT = 5  # bump when what a validation checks or records changes (5: th
 _VALIDATED: dict[str, dict[tuple[str, str], int]] = {}
 
 
-def stable(obj, depth: int = 0):
-    """A description of a spec's piece that is the same in every process: a function by its name and code (its
-    bytecode, constants and captured values), a dataclass by its fields, where ``repr`` would hold a memory address."""
-    if depth > 8:
-        return "..."
-    if isinstance(obj, functools.partial):
-        return ["partial", stable(obj.func, depth + 1), stable(obj.args, depth + 1), stable(obj.keywords, depth + 1)]
-    if isinstance(obj, types.MethodType):
-        return ["method", stable(obj.__func__, depth + 1)]
-    if isinstance(obj, types.FunctionType):
-        captured = [cell.cell_contents for cell in obj.__closure__ or () if cell.cell_contents is not obj]
-        return ["function", obj.__module__, obj.__qualname__, _code(obj.__code__),
-                stable(captured, depth + 1), stable(obj.__defaults__, depth + 1)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [type(obj).__qualname__, {field.name: stable(getattr(obj, field.name), depth + 1)
-                                         for field in dataclasses.fields(obj)}]
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        items = [stable(item, depth + 1) for item in obj]
-        return sorted(items, key=json.dumps) if isinstance(obj, (set, frozenset)) else items
-    if isinstance(obj, dict):
-        return sorted(([str(key), stable(value, depth + 1)] for key, value in obj.items()), key=json.dumps)
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    if isinstance(obj, type):
-        return f"{obj.__module__}.{obj.__qualname__}"
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(obj))
-
-
-def _code(code: types.CodeType) -> str:
-    parts = [code.co_code, repr(code.co_names).encode()]
-    parts += [_code(c).encode() if isinstance(c, types.CodeType) else repr(c).encode() for c in code.co_consts]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-
-
 # the fields of a family spec no proof reads: its name and types, what tests and docs build, what loading by name,
 # skipping a block and the readout use (``per_config``'s and ``check_config``'s effect is in the spec proven)
 NOT_PROVEN = frozenset({"name", "model_types", "tiny_config", "check_config", "per_config", "variants",
@@ -175,38 +141,17 @@ def validation_key(config, architecture: type, attention: bool = False, family=N
 
     text_config = config.get_text_config()
     family = family_of(config, architecture.__name__) if family is None else for_config(family, config)
-    blocks = [(sorted((key, stable(value)) for key, value in block.values.items()), stable(block.extra), block.formula,
-               stable(block.combine), stable(block.mid))
+    blocks = [(sorted((key, fingerprint(value)) for key, value in block.values.items()), fingerprint(block.extra),
+               block.formula, fingerprint(block.combine), fingerprint(block.mid))
               for block in (family.block(text_config, i) for i in range(text_config.num_hidden_layers))]
     # every other field, where a field added to Family counts until it is named here as one no proof reads
-    spec = {field.name: stable(getattr(family, field.name)) for field in dataclasses.fields(family)
+    spec = {field.name: fingerprint(getattr(family, field.name)) for field in dataclasses.fields(family)
             if field.name not in NOT_PROVEN | {"block"}}
     with quiet_transformers():
         mini = miniature_config(config).to_json_string(use_diff=False)
     text = json.dumps([CACHE_FORMAT, attention, architecture.__name__, mini, blocks, spec, torch.__version__,
                        transformers.__version__, _nnsight.__version__, __version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def build_miniature(config, architecture: type):
-    """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
-    with quiet_transformers():
-        mini_config = miniature_config(config)
-    config_class = getattr(architecture, "config_class", None)
-    if config_class and not isinstance(mini_config, config_class):  # an image-text config's causal LM (Qwen3.5)
-        mini_config = mini_config.get_text_config()
-    mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
-    generator = torch.Generator().manual_seed(0)
-    # the model's own initialization draws from the global generator: leave the user's random state as it was
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"), quiet_transformers():
-        mini = architecture._from_config(mini_config, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in mini.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-        for name, buffer in mini.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.fill_(0.7)
-    return mini.eval()
 
 
 def problems_of(model) -> list[str]:
@@ -367,7 +312,8 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     if problems:
         return problems
     text_config = config.get_text_config()
-    blocks = [(f"{path}.{j}.", block) for path in family.block_lists for j, block in enumerate(model.get_submodule(path))]
+    blocks = [(f"{path}.{j}.", block) for path in family.block_lists
+              for j, block in enumerate(cast(torch.nn.ModuleList, model.get_submodule(path)))]
     for i, (prefix, block) in enumerate(blocks):
         spec = family.block(text_config, i)
         has_attention = isinstance(spec.resolve("attention_output"), At)  # not a hybrid's other blocks
@@ -383,7 +329,7 @@ def missing_paths(family, config, model: torch.nn.Module) -> list[str]:
     return problems
 
 
-def prove(config, architecture: type, tokenizer, wrap, attention: bool = False, family=None) -> tuple[list[str], object]:
+def prove(config, architecture: type, tokenizer, wrap, attention: bool = False, family=None) -> tuple[list[str], Any]:
     """(every way the family spec fails on a miniature of ``config``, the wrapped miniature or None).
 
     ``family``: the spec to prove, served for its model types while the proof wraps and checks the miniature,

@@ -1,4 +1,4 @@
-"""A miniature of a config: the same classes and options, tiny sizes.
+"""A miniature of a config: the same classes and options, tiny sizes; ``build_miniature`` builds its model.
 
 Validation proves a family spec on it instead of on the real weights. Every option that
 shapes a block (parallel flags, norms, biases, layer types, which layers are mixtures of
@@ -18,6 +18,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging as transformers_logging
 
@@ -244,3 +245,24 @@ def quiet_transformers() -> Iterator[None]:
         transformers_logging.set_verbosity(verbosity)
         if bars:
             transformers_logging.enable_progress_bar()
+
+
+def build_miniature(config, architecture: type):
+    """The same model class on a miniature of ``config``, random weights moved off 0 and 1."""
+    with quiet_transformers():
+        mini_config = miniature_config(config)
+    config_class = getattr(architecture, "config_class", None)
+    if config_class and not isinstance(mini_config, config_class):  # an image-text config's causal LM (Qwen3.5)
+        mini_config = mini_config.get_text_config()
+    mini_config._attn_implementation = getattr(config, "_attn_implementation", None)
+    generator = torch.Generator().manual_seed(0)
+    # the model's own initialization draws from the global generator: leave the user's random state as it was
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), quiet_transformers():
+        mini = architecture._from_config(mini_config, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in mini.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        for name, buffer in mini.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.7)
+    return mini.eval()

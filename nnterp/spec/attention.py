@@ -12,6 +12,7 @@ which switch the model to transformers' ``"eager"`` attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from .catalog import ATTENTION_INTERNALS
 from .errors import ValueUnavailable
 from .locations import At, Unavailable
 from .sourced import sourced
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMPLEMENTATION = "eager"
 
@@ -95,7 +99,7 @@ def internal_locations(family, config, on: bool = True) -> dict:
     return where.locations(family.attention)
 
 
-def implementation_of(model: nn.Module) -> str | None:
+def implementation_of(model: PreTrainedModel) -> str | None:
     return model.config.get_text_config()._attn_implementation
 
 
@@ -123,9 +127,9 @@ def head_outputs(model, layer: int) -> torch.Tensor:
     # operations instrumented before it runs). Then nothing of this block earlier than that is readable.
     operations = envoy.source if offloaded else None
     premix = model.layers[layer].self_attn.attention_premix  # [batch, seq, heads, head_dim]
-    if offloaded and (conv1d or "F_linear_0" in operations.names):
+    if operations is not None and (conv1d or "F_linear_0" in operations.names):  # offloaded
         weight = operations.torch_addmm_0.inputs[0][2] if conv1d else operations.F_linear_0.inputs[0][1]
-    elif offloaded:  # a projection of its own code (Falcon's FalconLinear): its weight is loaded while it runs
+    elif operations is not None:  # offloaded, of its own code (Falcon's FalconLinear): its weight loads while it runs
         getattr(operations, next(iter(operations.names))).inputs  # noqa: B018 - wait for its first operation
         weight = envoy._module.weight.detach().clone()
     else:

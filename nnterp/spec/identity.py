@@ -9,7 +9,9 @@ sublayers the proof checks ``layer_mid`` against all come from that one declarat
   the side of the last add that holds the block's input, where the other side is the MLP's output.
 - ``PostNorm``: a norm after each add, by the norms' module names.
 - ``Custom``: a block that computes more (a cast, a gate on the stream, mixed or parallel streams): its code,
-  its formula written beside it, and, where the proof can check it, how it gives ``layer_mid``.
+  its formula written beside it, the names of the terms the code reads (``reads``: the code is given those alone,
+  and must read each; ``drift`` says where the formula names others), and, where the proof can check it, how it
+  gives ``layer_mid``.
 
 Part of the core: it imports nothing of the package but ``sourced``.
 """
@@ -18,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from .sourced import sourced
 
-Terms = dict[str, torch.Tensor]
+Terms = Mapping[str, torch.Tensor]  # the values a block's identity reads, by name
 Compute = Callable[[Terms, torch.nn.Module], torch.Tensor]
 HOW = ("value * factor", "factor * value", "value / factor")
 
@@ -118,6 +120,11 @@ def names_in(node: Expr) -> set[str]:
     return names_in(node.of)
 
 
+def addends(node: Expr) -> list[Expr]:
+    """What the tree's additions add, in its order: the nodes that are not themselves an addition."""
+    return addends(node.left) + addends(node.right) if isinstance(node, Plus) else [node]
+
+
 def renamed_tree(node: Expr, names: dict[str, str]) -> Expr:
     if isinstance(node, Name):
         return Name(names.get(node.name, node.name))
@@ -199,36 +206,90 @@ class PostNorm:
         return None
 
     def renamed(self, names: dict[str, str]) -> Custom:
-        return Custom(self.formula, self.combine, self.mid).renamed(names)
+        return Custom(self.formula, self.combine, self.mid, reads=_POST_NORM_READS).renamed(names)
 
     def noted(self, note: str) -> Custom:
-        return Custom(self.formula, self.combine, self.mid).noted(note)
+        return Custom(self.formula, self.combine, self.mid, reads=_POST_NORM_READS).noted(note)
+
+
+_POST_NORM_READS = ("layer_input", "attention_output", "mlp_output")
+
+
+class _Given(dict):
+    """The terms a ``Custom``'s code is given: those it declares, each marked once the code reads it."""
+
+    def __init__(self, terms: Terms, names: tuple[str, ...]):
+        super().__init__((name, terms[name]) for name in names)
+        self.unread = set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(f"the identity's code reads {name!r}, which its reads= does not declare")
+        self.unread.discard(name)
+        return super().__getitem__(name)
+
+
+class _Aliased(Mapping):
+    """``terms`` read by the names a renamed identity's code was written with (``{old: new}`` in ``names``)."""
+
+    def __init__(self, terms: Mapping[str, torch.Tensor], names: dict[str, str]):
+        self.terms, self.names = terms, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        new = self.names.get(name, name)
+        return self.terms[new if new in self.terms else name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.terms)
+
+    def __len__(self) -> int:
+        return len(self.terms)
 
 
 @sourced
 @dataclass(frozen=True)
 class Custom:
     """A block that computes more than sums of its values: ``compute`` is its arithmetic in the code's order,
-    ``formula`` the same for people, and ``mid`` (where given) recomputes ``layer_mid`` for the proof to check."""
+    ``formula`` the same for people, and ``mid`` (where given) recomputes ``layer_mid`` for the proof to check.
+
+    ``reads`` names the terms ``compute`` reads (values and extra tensors): it is given those alone, and reading
+    another, or leaving one unread, fails the recomputation; ``drift`` checks the formula names the same ones."""
 
     formula: str
     compute: Compute
     mid: Compute | None = None
+    reads: tuple[str, ...] | None = field(default=None, kw_only=True)  # None: not declared (nothing is checked)
 
     def combine(self, terms: Terms, block: torch.nn.Module):
-        return self.compute(terms, block)
+        if self.reads is None:
+            return self.compute(terms, block)
+        given = _Given(terms, self.reads)
+        result = self.compute(given, block)
+        if given.unread:
+            raise ValueError(f"the identity declares {sorted(given.unread)} in reads=, which its code does not read: "
+                             f"{self.formula}")
+        return result
+
+    def drift(self, terms: Iterable[str]) -> str:
+        """How the formula differs from ``reads``, over ``terms`` (every name the block gives its identity: the
+        identity's values and its extra tensors); '' where the formula names exactly the terms the code reads."""
+        if self.reads is None:
+            return "its reads= is not declared"
+        named = set(re.findall(r"\w+", self.formula)) & set(terms)
+        extra, missing = named - set(self.reads), set(self.reads) - named
+        problems = [f"the formula names {sorted(extra)}, which its code does not read"] if extra else []
+        if missing:
+            problems.append(f"the formula omits {sorted(missing)}, which its code reads")
+        return "; ".join(problems)
 
     def layer_mid(self) -> None:
         return None
 
     def renamed(self, names: dict[str, str]) -> Custom:
         compute, mid = self.compute, self.mid
-
-        def read(terms):
-            return {**terms, **{old: terms[new] for old, new in names.items() if new in terms}}
-
-        return Custom(_renamed_text(self.formula, names), lambda t, block: compute(read(t), block),
-                      None if mid is None else lambda t, block: mid(read(t), block))
+        return Custom(_renamed_text(self.formula, names), lambda t, block: compute(_Aliased(t, names), block),
+                      None if mid is None else lambda t, block: mid(_Aliased(t, names), block),
+                      reads=None if self.reads is None else tuple(names.get(name, name) for name in self.reads))
 
     def noted(self, note: str) -> Custom:
         return dataclasses.replace(self, formula=f"{self.formula} {note}")

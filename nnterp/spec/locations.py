@@ -12,7 +12,7 @@ place of the module's own, keeping any tuple around it.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -20,7 +20,7 @@ from nnsight.intervention.eproperty import eproperty
 
 from .errors import BadAssignment
 from .sourced import sourced
-from .views import DESCRIBED, Count, Heads, HeadsFirst, Prefix, StreamsFirst, Unflatten, View
+from .views import Count, Heads, HeadsFirst, Prefix, StreamsFirst, Unflatten, View, chain
 
 
 @sourced
@@ -34,10 +34,12 @@ class At:
     or its element ``index`` when it is a tuple (or a list). An ``"input"`` is positional argument ``arg``,
     or keyword ``kwarg`` when it was passed by keyword.
 
-    Views, all pure tensor steps: ``heads`` views the last dimension as ``[num_heads, head_dim]``;
-    ``heads_first`` views ``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``;
-    ``unflatten`` views a tensor the block flattened to ``[batch * seq, features]`` as
-    ``[batch, seq, features]`` (``[batch, seq]`` read from the block's input in the same trace);
+    ``views`` are the pure tensor steps between the module's tensor and the value (the ``View`` classes of
+    ``nnterp.spec.views``, each saying how it reads), given in any order: the location holds them in the order they
+    apply, and refuses two that do not combine. The keywords ``heads``, ``unflatten``, ``heads_first``, ``prefix``,
+    ``streams_first`` and ``count`` name one view each (``SUGAR``: ``heads=True`` is ``views=(Heads(),)``,
+    ``prefix=3`` is ``views=(Prefix(3),)``): the two spellings are the same location, and a location's keywords
+    read what its views are, however they were given.
     ``copy`` reads a clone, for a tensor the block uses for more than this value (Falcon's parallel
     MLP output, which the block then adds the attention output to in place; the stream entering an
     MLP with no norm before it): in-place edits of the clone are swapped into the model at this
@@ -45,17 +47,6 @@ class At:
     ``shared`` marks the stream at a place where the block keeps using the same tensor (the
     residual after the attention add is also the norm's input): an assignment is copied into
     that tensor, so it replaces the stream everywhere the block uses it, as an in-place edit does.
-    ``prefix`` views ``[batch, seq, ...]`` without its first ``prefix`` positions, where the model
-    prepends positions that are not tokens to the stream (CPM-Ant's learned prompt): an in-place
-    edit of the view is an edit of those positions of the model's tensor, and an assignment
-    replaces them, the prepended positions left as the model made them.
-    ``streams_first`` views a stream the model stacks as ``[streams, batch, seq, hidden]`` (Gemma-3n's
-    AltUp) as ``[batch, seq, streams, hidden]``, the layout of other parallel streams: a permuted view
-    of the same storage, so in-place edits are the model's and an assignment is permuted back.
-    ``count`` names the block's keyword argument that says how many positions are tokens, where the model
-    pads the stream after them (Reformer pads it to a multiple of its chunk length): the value is viewed
-    without the padding, as ``prefix`` views it without prepended positions. The count is read from the
-    block's input before the block's first value, once per pass (``token_count``).
     ``join`` reads the value as several elements of this same boundary (each an ``At`` of this path and
     side naming its own ``index``, or ``arg`` / ``kwarg``) side by side along the last dimension, where
     the model passes the stream between its blocks in parts (Reformer's two halves, which only its final
@@ -72,37 +63,34 @@ class At:
     arg: int = 0
     kwarg: str = "hidden_states"
     op: str = ""
-    heads: bool = False
+    views: tuple[View, ...] = ()
     copy: bool = False
     shared: bool = False
-    unflatten: bool = False
-    heads_first: bool = False
-    prefix: int = 0
-    streams_first: bool = False
-    count: str = ""
     join: tuple[At, ...] = ()
-    # the views the fields name, in the order they apply: set per location by __post_init__ (derived data, not a
-    # field: it takes no part in comparing, hashing or the proof's cache key); the class's own is no view
-    views: ClassVar[tuple[View, ...]] = ()
-    served: ClassVar[Served]  # nnsight's eproperty for a value handed back to the model (set per location likewise)
+    # the keywords for views (``SUGAR``), each a view's ``name``: read from the views once the location holds them, so they take no part in
+    # comparing, hashing or printing a location beyond its views
+    heads: bool = field(default=False, kw_only=True, compare=False, repr=False)
+    unflatten: bool = field(default=False, kw_only=True, compare=False, repr=False)
+    heads_first: bool = field(default=False, kw_only=True, compare=False, repr=False)
+    prefix: int = field(default=0, kw_only=True, compare=False, repr=False)
+    streams_first: bool = field(default=False, kw_only=True, compare=False, repr=False)
+    count: str = field(default="", kw_only=True, compare=False, repr=False)
+    served: ClassVar[Served]  # nnsight's eproperty for a value handed back to the model (set per location)
 
     def __post_init__(self):
         if self.side not in ("input", "output"):
             raise ValueError(f"side must be 'input' or 'output', not {self.side!r}")
-        if self.prefix and (self.unflatten or self.heads_first):  # their sequence axis is not the second
-            raise ValueError("prefix views [batch, seq, ...]: it does not combine with unflatten or heads_first")
-        if self.streams_first and (self.prefix or self.unflatten or self.heads_first or self.heads):
-            raise ValueError("streams_first views a whole stacked stream: it does not combine with other views")
-        if self.count and (self.prefix or self.unflatten or self.heads_first):
-            raise ValueError("count views [batch, seq, ...] without trailing padding: it does not combine with "
-                             "prefix, unflatten or heads_first")
-        if self.join and (self.heads or self.unflatten or self.heads_first or self.shared or self.copy):
+        named = (kind.from_keyword(value) for kind in SUGAR if (value := getattr(self, kind.name)))
+        views = chain((*self.views, *named))
+        object.__setattr__(self, "views", views)
+        for view in views:  # the keywords read what the views are, however they were given
+            if type(view) in SUGAR:
+                object.__setattr__(self, view.name, view.to_keyword())
+        if self.join and (self.shared or self.copy or not all(view.joins for view in views)):
             raise ValueError("join reads a new tensor: it does not combine with per-head views, shared or copy")
         if any((part.path, part.side, part.op) != (self.path, self.side, self.op) or part._derived
                for part in self.join):
             raise ValueError("the parts of a join are plain elements of the same boundary")
-        # the views the fields name, in the order they apply (``nnterp.spec.views``): data derived once, not a field
-        object.__setattr__(self, "views", views_of(self))
         object.__setattr__(self, "served", Served(self.side))
 
     def describe(self) -> str:
@@ -116,7 +104,7 @@ class At:
         if self.join:
             parts = (f"[{part.index}]" if self.side == "output" else part.kwarg for part in self.join)
             text += f" ({', '.join(parts)} joined along the last dimension)"
-        text += "".join(view.describe() for kind in DESCRIBED for view in self.views if type(view) is kind)
+        text += "".join(view.describe() for view in reversed(self.views))  # the value's own layout first
         if self.copy:
             text += " (a copy, swapped back: the block uses this tensor for more than this value)"
         if self.shared:
@@ -128,24 +116,16 @@ class At:
         return block.get_submodule(self.path) if self.path else block
 
     def envoy(self, block_envoy):
-        from nnsight import Envoy
-
-        envoy = block_envoy
-        for part in filter(None, self.path.split(".")):
-            if part.isdigit():
-                envoy = envoy[int(part)]
-            else:  # a module named like something the envoy serves (a standard value) is mounted under nnsight's prefix
-                served = inspect.isdatadescriptor(getattr(type(envoy), part, None))
-                envoy = getattr(envoy, f"{Envoy.OVERLOAD_PREFIX}{part}" if served else part)
+        envoy = envoy_at(block_envoy, self.path)
         for part in filter(None, self.op.split(".")):
             envoy = getattr(envoy.source, part)
         return envoy
 
     # -- reading and writing inside a trace -----------------------------------------------
-    def _element(self, raw):
+    def element(self, raw):
         """This location's tensor in what the module (or operation) gives: an output, or ``(args, kwargs)``."""
         if self.join:
-            return torch.cat([part._element(raw) for part in self.join], dim=-1)
+            return torch.cat([part.element(raw) for part in self.join], dim=-1)
         if self.side == "output":
             return raw[self.index] if isinstance(raw, (tuple, list)) else raw
         args, kwargs = raw
@@ -155,7 +135,7 @@ class At:
         return envoy.output if self.side == "output" else envoy.inputs
 
     def _raw(self, envoy):
-        return self._element(self._container(envoy))
+        return self.element(self._container(envoy))
 
     def _view_shape(self, block_envoy, shape, num_heads: int | None) -> tuple[int, ...]:
         """The value's shape, from the shape of the model's tensor."""
@@ -199,7 +179,7 @@ class At:
 
     def _served_value(self, read: Read, raw):
         """The value from what the module gives (``raw``): the element, viewed (a clone first, for a copy)."""
-        read.tensor = tensor = self._element(raw)
+        read.tensor = tensor = self.element(raw)
         return self._view(tensor.clone() if self.copy else tensor, read.block, read.heads)
 
     def _model_side(self, read: Read, value, raw):
@@ -220,7 +200,7 @@ class At:
         if self.join:
             start = 0
             for part in self.join:
-                width = part._element(raw).shape[-1]
+                width = part.element(raw).shape[-1]
                 raw = part._replaced(raw, tensor[..., start : start + width])
                 start += width
             return raw
@@ -324,9 +304,18 @@ def input(path: str = "", arg: int = 0, kwarg: str = "hidden_states", **view) ->
     return At(path, "input", arg=arg, kwarg=kwarg, **view)
 
 
-def views_of(at: At) -> tuple[View, ...]:
-    """The views ``at``'s fields name, in the order they apply (``views.ORDER``)."""
-    named = (Prefix(at.prefix) if at.prefix else None, Count(at.count) if at.count else None,
-             Unflatten() if at.unflatten else None, Heads() if at.heads else None,
-             StreamsFirst() if at.streams_first else None, HeadsFirst() if at.heads_first else None)
-    return tuple(view for view in named if view is not None)
+# the views At takes a keyword for, each its ``name`` (``heads=True`` is ``Heads()``, ``prefix=3`` is ``Prefix(3)``)
+SUGAR = (Heads, Unflatten, HeadsFirst, Prefix, StreamsFirst, Count)
+
+
+def envoy_at(envoy, path: str):
+    """The envoy of the module at ``path`` (native names, dotted) under ``envoy``."""
+    from nnsight import Envoy
+
+    for part in filter(None, path.split(".")):
+        if part.isdigit():
+            envoy = envoy[int(part)]
+        else:  # a module named like something the envoy serves (a standard value) is mounted under nnsight's prefix
+            served = inspect.isdatadescriptor(getattr(type(envoy), part, None))
+            envoy = getattr(envoy, f"{Envoy.OVERLOAD_PREFIX}{part}" if served else part)
+    return envoy

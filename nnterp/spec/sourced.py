@@ -18,7 +18,8 @@ import inspect
 import operator
 import types
 
-_REPRS_RUNNING = set()  # (object id, thread id) of the reprs in progress: a record that holds itself shows "..."
+# (object id, thread id) of the reprs in progress: a record that holds itself shows "..."
+_REPRS_RUNNING: set[tuple[int, int]] = set()
 
 
 def sourced(cls: type) -> type:

@@ -1,14 +1,15 @@
 """Views: the pure tensor steps between the tensor a module gives and a standard value, each a class of one protocol.
 
-A location (``nnterp.spec.locations.At``) names the views it is read through; they apply in a fixed order (``ORDER``:
-the positions that are tokens, then the shape, then the layout), each on what the one before gave:
+A location (``nnterp.spec.locations.At``) holds the views it is read through (``At.views``); they apply in the order
+of their ``rank`` (the positions that are tokens, then the shape, then the layout), each on what the one before gave,
+and a view declares which views it does not combine with (``excludes``, ``joins``). Each view says:
 
 - ``shape(shape, block, heads)``: the value's shape, from the shape of the tensor the view is given;
 - ``view(tensor, block, heads)``: the value, of the same storage where a view can be (edits in place are then the
   model's);
 - ``unview(value, tensor, block, heads)``: the tensor the view was given (``tensor``), remade from an edited or
   assigned ``value``;
-- ``describe()``: how the view reads, for ``availability`` and the docs;
+- ``describe()``: how the view reads, for ``availability`` and the docs (a location's read last view first);
 - ``prepare(block, model)``: what a forward pass reads before the first value of a block, where the view needs
   something the block's input holds (``prepares``: whether it has anything to do).
 
@@ -19,13 +20,24 @@ on a server where nnterp is not installed: plain classes with hand-written metho
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 
 class View:
-    """A pure tensor step between a module's tensor and a standard value (see the module's docstring)."""
+    """A pure tensor step between a module's tensor and a standard value (see the module's docstring).
 
+    A view declares its name and its place itself: ``name``, how messages call it (for the views ``At`` takes a
+    keyword for, ``locations.SUGAR``, that keyword); ``rank``, where it applies in a location's chain (lower first);
+    ``excludes``, the views defined before it that it does not combine with (``why`` says why); ``joins``, whether it
+    combines with a joined value (``At.join``, which reads a new tensor)."""
+
+    name = "view"
+    rank = 0
+    excludes: tuple[type[View], ...] = ()
+    why = ""
+    joins = True
     prepares = False
 
     def __eq__(self, other) -> bool:
@@ -36,6 +48,14 @@ class View:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    # a view that ``At`` takes a keyword for (``locations.SUGAR``): from the keyword's value, and back to it
+    @classmethod
+    def from_keyword(cls, value) -> View:
+        return cls()
+
+    def to_keyword(self):
+        return True
 
     def shape(self, shape: tuple[int, ...], block, heads: int | None) -> tuple[int, ...]:
         return shape
@@ -53,15 +73,103 @@ class View:
         return None
 
 
+def chain(views) -> tuple[View, ...]:
+    """``views`` in the order they apply (by ``rank``), each once: a ValueError says why two do not combine."""
+    ordered = tuple(sorted(dict.fromkeys(views), key=operator.attrgetter("rank")))
+    for view in ordered:
+        for other in ordered:
+            if type(other) is type(view) and other is not view:
+                raise ValueError(f"a location has one {view.name} view: {view!r} and {other!r} differ")
+            if isinstance(other, view.excludes):
+                raise ValueError(f"{view.name} {view.why}: it does not combine with {other.name}")
+    return ordered
+
+
+class _Reshaped(View):
+    """A view of the same storage in another shape (``shape``); a value handed back takes the model's shape again
+    (a copy only where the value is not contiguous, as an assigned one may be)."""
+
+    def view(self, tensor, block, heads):
+        return tensor.view(self.shape(tensor.shape, block, heads))
+
+    def unview(self, value, tensor, block, heads):
+        return value.reshape(tensor.shape)
+
+
+class Unflatten(_Reshaped):
+    """A tensor the block flattened to ``[batch * seq, features]``, as ``[batch, seq, features]`` (``[batch, seq]``
+    read from the block's input in the same pass, before its first value: ``leading_shape``)."""
+
+    name = "unflatten"
+    rank = 30
+    joins = False
+    prepares = True
+
+    def shape(self, shape, block, heads):
+        return (*leading_shape(block), shape[-1])
+
+    def describe(self) -> str:
+        return " (flattened by the block; viewed as [batch, seq, ...])"
+
+    def prepare(self, block, model) -> None:
+        leading_shape(block)
+
+
+class Heads(_Reshaped):
+    """The last dimension (or the dimensions after ``[batch, seq]``) as ``[num_heads, head_dim]``."""
+
+    name = "heads"
+    rank = 40
+    joins = False
+
+    def shape(self, shape, block, heads):
+        width = math.prod(shape[2:])
+        return (*shape[:2], heads, width // heads)
+
+    def describe(self) -> str:
+        return " (viewed per head)"
+
+
+class HeadsFirst(View):
+    """``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``: a transposed view of the same storage."""
+
+    name = "heads_first"
+    rank = 60
+    joins = False
+
+    def shape(self, shape, block, heads):
+        return (shape[0], shape[2], shape[1], *shape[3:])
+
+    def view(self, tensor, block, heads):
+        return tensor.transpose(1, 2)
+
+    def unview(self, value, tensor, block, heads):
+        return value.transpose(1, 2)
+
+    def describe(self) -> str:
+        return " (viewed as [batch, seq, heads, dim])"
+
+
 class Prefix(View):
     """``[batch, seq, ...]`` without the first ``positions`` positions, which the model prepends to the tokens (a
-    learned prompt): a slice of the same storage, so an edit in place is an edit of those positions of the model's
-    tensor; an assignment replaces them, the prepended positions left as the model made them."""
+    learned prompt, CPM-Ant's): a slice of the same storage, so an edit in place is an edit of those positions of
+    the model's tensor; an assignment replaces them, the prepended positions left as the model made them."""
 
+    name = "prefix"
+    rank = 10
+    excludes = (Unflatten, HeadsFirst)  # their model's tensor has no sequence axis second
+    why = "views [batch, seq, ...]"
     prepares = True
 
     def __init__(self, positions: int):
         self.positions = positions
+
+    @classmethod
+    def from_keyword(cls, value) -> View:
+        return cls(value)
+
+    def to_keyword(self):
+        return self.positions
 
     def shape(self, shape, block, heads):
         if len(shape) < 3 or shape[1] <= self.positions:
@@ -101,13 +209,24 @@ class Prefix(View):
 
 class Count(View):
     """``[batch, seq, ...]`` without the padding the model adds after the tokens (it pads the stream to a multiple
-    of a chunk length): its first positions, as many as the block's keyword argument ``kwarg`` says are tokens,
-    read from the block's input before the block's first value, once per pass (``token_count``)."""
+    of a chunk length, as Reformer does): its first positions, as many as the block's keyword argument ``kwarg``
+    says are tokens, read from the block's input before the block's first value, once per pass (``token_count``)."""
 
+    name = "count"
+    rank = 20
+    excludes = (Prefix, Unflatten, HeadsFirst)
+    why = "views [batch, seq, ...] without trailing padding"
     prepares = True
 
     def __init__(self, kwarg: str):
         self.kwarg = kwarg
+
+    @classmethod
+    def from_keyword(cls, value) -> View:
+        return cls(value)
+
+    def to_keyword(self):
+        return self.kwarg
 
     def shape(self, shape, block, heads):
         return (shape[0], token_count(block, self.kwarg), *shape[2:])
@@ -125,63 +244,15 @@ class Count(View):
         token_count(block, self.kwarg)
 
 
-class _Reshaped(View):
-    """A view of the same storage in another shape (``shape``); a value handed back takes the model's shape again
-    (a copy only where the value is not contiguous, as an assigned one may be)."""
-
-    def view(self, tensor, block, heads):
-        return tensor.view(self.shape(tensor.shape, block, heads))
-
-    def unview(self, value, tensor, block, heads):
-        return value.reshape(tensor.shape)
-
-
-class Unflatten(_Reshaped):
-    """A tensor the block flattened to ``[batch * seq, features]``, as ``[batch, seq, features]`` (``[batch, seq]``
-    read from the block's input in the same pass, before its first value: ``leading_shape``)."""
-
-    prepares = True
-
-    def shape(self, shape, block, heads):
-        return (*leading_shape(block), shape[-1])
-
-    def describe(self) -> str:
-        return " (flattened by the block; viewed as [batch, seq, ...])"
-
-    def prepare(self, block, model) -> None:
-        leading_shape(block)
-
-
-class Heads(_Reshaped):
-    """The last dimension (or the dimensions after ``[batch, seq]``) as ``[num_heads, head_dim]``."""
-
-    def shape(self, shape, block, heads):
-        width = math.prod(shape[2:])
-        return (*shape[:2], heads, width // heads)
-
-    def describe(self) -> str:
-        return " (viewed per head)"
-
-
-class HeadsFirst(View):
-    """``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``: a transposed view of the same storage."""
-
-    def shape(self, shape, block, heads):
-        return (shape[0], shape[2], shape[1], *shape[3:])
-
-    def view(self, tensor, block, heads):
-        return tensor.transpose(1, 2)
-
-    def unview(self, value, tensor, block, heads):
-        return value.transpose(1, 2)
-
-    def describe(self) -> str:
-        return " (viewed as [batch, seq, heads, dim])"
-
-
 class StreamsFirst(View):
-    """A stream the model stacks as ``[streams, batch, seq, hidden]`` as ``[batch, seq, streams, hidden]``, the
-    layout of other parallel streams: a permuted view of the same storage, and an assignment permuted back."""
+    """A stream the model stacks as ``[streams, batch, seq, hidden]`` (Gemma-3n's AltUp) as ``[batch, seq, streams,
+    hidden]``, the layout of other parallel streams: a permuted view of the same storage, and an assignment permuted
+    back."""
+
+    name = "streams_first"
+    rank = 50
+    excludes = (Prefix, Unflatten, HeadsFirst, Heads)
+    why = "views a whole stacked stream"
 
     def shape(self, shape, block, heads):
         return (*shape[1:3], shape[0], *shape[3:])
@@ -194,10 +265,6 @@ class StreamsFirst(View):
 
     def describe(self) -> str:
         return " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
-
-
-ORDER = (Prefix, Count, Unflatten, Heads, StreamsFirst, HeadsFirst)  # the order the views apply in
-DESCRIBED = (Heads, Unflatten, HeadsFirst, StreamsFirst, Prefix, Count)  # the order their descriptions read in
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from .. import analysis
 from ..spec.catalog import BY_NAME
 from ..spec.errors import ValueUnavailable
 from ..spec.selection import forward_order, layer_indices, layer_ranges, value_name
-from .interventions import apply_steering, check_new_tokens, prepare_steering, refuse_right_padding, steering_plan
+from .steering import apply_steering, check_new_tokens, prepare_steering, refuse_right_padding, steering_plan
 
 
 class ActivationCache:

@@ -23,7 +23,7 @@ def test_old_paths_work_in_a_fresh_process_in_every_import_form():
         "from nnterp import interventions, display\n"
         "import nnterp.core.engine as engine, nnterp.compat.display as new_display\n"
         "assert nnterp.engine is engine and display is new_display\n"
-        "assert interventions.__name__ == 'nnterp.tools.interventions' and callable(get_layer_output)\n"
+        "assert interventions.__name__ == 'nnterp.compat.interventions' and callable(get_layer_output)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

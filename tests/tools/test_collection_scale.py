@@ -212,7 +212,7 @@ def test_the_forward_stops_after_the_last_layer_read(llama, tmp_path):
 
 
 def test_a_failed_write_is_a_collection_error_and_resumes(llama, tmp_path, monkeypatch):
-    import nnterp.collection as module
+    import nnterp.collection.shards as module
 
     real_save, calls = module.save_file, []
 
@@ -271,10 +271,10 @@ def test_to_dataset_without_datasets_names_the_install(llama, tmp_path, monkeypa
 def test_the_manifest_is_rewritten_at_most_once_a_second_and_on_the_way_out(llama, tmp_path, monkeypatch):
     import time
 
-    import nnterp.collection as module
+    import nnterp.collection.shards as module
 
-    writes, real = [], module._write_manifest
-    monkeypatch.setattr(module, "_write_manifest", lambda *args: writes.append(1) or real(*args))
+    writes, real = [], module.write_manifest
+    monkeypatch.setattr(module, "write_manifest", lambda *args: writes.append(1) or real(*args))
     began = time.monotonic()
     done = collect(llama, PROMPTS, tmp_path, batch_size=1, progress=False)
     elapsed = time.monotonic() - began

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from nnterp import Prompt, StandardizedTransformer, add_to, patchscope_lens, run_prompts, steered_generate
+from nnterp.compat.interventions import TargetPromptBatch, patch_object_attn_lens
+from nnterp.compat.interventions import patchscope_lens as patchscope_lens_1x  # takes 1.x's call too
 from nnterp.families import BY_MODEL_TYPE
-from nnterp.tools.interventions import TargetPromptBatch, patch_object_attn_lens
 
 from ..conftest import build_tiny, tiny_tokenizer
 from ..remote.test_remote import checkpoints, load, requests, server  # noqa: F401  (the remote server's fixtures)
@@ -230,8 +231,8 @@ def test_patchscope_lens_patches_and_reads_each_prompts_own_tokens(llama):
     for side in SIDES:
         with padded(llama, side), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the 1.x call: one index per target prompt
-            got = patchscope_lens(llama, sources, target_patch_prompts=TargetPromptBatch.from_prompts(targets, indices),
-                                  layers=layers)
+            got = patchscope_lens_1x(llama, sources, target_patch_prompts=TargetPromptBatch.from_prompts(targets, indices),
+                                     layers=layers)
         assert torch.allclose(got.float(), expected, atol=1e-6), side
         with padded(llama, side):  # today's call: one target prompt
             got = patchscope_lens(llama, sources, "the cat is", index_to_patch=1, layers=layers)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nnterp import activation_patching
-from nnterp.tools.interventions import attribution_patching
+from nnterp.tools.patching import attribution_patching
 
 from ..families.test_edits import hook_edit
 from ..families.test_families import make, module_of, register_edit

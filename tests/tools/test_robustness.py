@@ -139,7 +139,7 @@ def test_shards_without_a_manifest_are_never_mixed_in(llama, tmp_path):
 
 
 def test_an_incomplete_collection_says_what_is_missing(llama, tmp_path, monkeypatch):
-    import nnterp.collection as module
+    import nnterp.collection.runner as module
 
     calls = []
     real = module._collect_batch

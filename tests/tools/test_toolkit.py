@@ -310,7 +310,8 @@ def test_collection_equals_single_traces(llama, tmp_path):
 
 
 def test_collection_resumes_without_redoing_batches(llama, tmp_path, monkeypatch):
-    import nnterp.collection as module
+    import nnterp.collection.runner as runner
+    import nnterp.collection.shards as module
 
     prompts = sentences(9)
     real_save, calls = module.save_file, []
@@ -327,8 +328,8 @@ def test_collection_resumes_without_redoing_batches(llama, tmp_path, monkeypatch
     assert not Collection(tmp_path).complete
     monkeypatch.setattr(module, "save_file", real_save)
     ran = []
-    real_batch = module._collect_batch
-    monkeypatch.setattr(module, "_collect_batch", lambda *a: ran.append(1) or real_batch(*a))
+    real_batch = runner._collect_batch
+    monkeypatch.setattr(runner, "_collect_batch", lambda *a: ran.append(1) or real_batch(*a))
     done = collect(llama, prompts, tmp_path, batch_size=2, progress=False)
     assert len(ran) == 3 and done.complete  # 5 batches, 2 already on disk
     fresh = collect(llama, prompts, tmp_path / "fresh", batch_size=2, progress=False)
@@ -394,6 +395,6 @@ def test_1x_accessors_are_the_standard_values(llama):
         llama.layers_output[0] = llama.layers_output[0] * 0
         zeroed = llama.layers_input[1].save()
     assert not zeroed.any() and len(llama.layers_output) == 3
-    from nnterp.tools.interventions import logit_lens as old_lens
+    from nnterp.interventions import logit_lens as old_lens
 
     assert old_lens is logit_lens  # 1.x's run_prompts and its shapes: tests/compat/test_legacy.py

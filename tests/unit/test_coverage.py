@@ -55,7 +55,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= set(TOPOLOGY_CASES)  # tests/families/test_topology.py: its cases are named by model type
     cased |= {model_type for model_type, *_ in NOTYET_CASES.values()}  # test_notyet.py
     cased |= {model_type for model_type, *_ in RECURRENT_CASES.values()}  # test_recurrent.py
-    cased |= {model_type for model_type, *_ in DUAL_PAIR_CASES.values()}  # test_dual_pair.py
+    cased |= {model_type for model_type, *_ in DUAL_PAIR_CASES.values()}  # tests/families/test_longcat_flash.py
     cased |= {model_type for model_type, *_ in PROMPT_PREFIX_CASES.values()}  # test_prompt_prefix.py
     cased |= {model_type for model_type, *_ in LOOPED_CASES.values()}  # test_looped.py
     cased |= {model_type for model_type, *_ in GEMMA3N_CASES.values()}  # test_gemma3n.py
@@ -67,3 +67,12 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
     assert all(t in CONFIG_MAPPING for t in cased | more)
 
+
+
+def test_the_families_are_one_sorted_tuple_and_each_type_has_one_spec():
+    from nnterp.families import FAMILIES
+
+    names = [family.name for family in FAMILIES]
+    assert len(set(names)) == len(names)
+    claims = [model_type for family in FAMILIES for model_type in family.model_types]
+    assert len(set(claims)) == len(claims), sorted({t for t in claims if claims.count(t) > 1})

@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nnterp import StandardizedTransformer, proof
-from nnterp.families import BY_MODEL_TYPE, FAMILIES, output
-from nnterp.spec.identity import SEQUENTIAL, A, Custom, M, Name, Plus, PostNorm, Scaled, Sum, X
+from nnterp.families import BY_MODEL_TYPE, FAMILIES, for_config, output
+from nnterp.spec.catalog import IDENTITY_TERMS
+from nnterp.spec.identity import SEQUENTIAL, A, Custom, M, Name, Plus, PostNorm, Scaled, Sum, X, addends
 
 from ..conftest import tiny_tokenizer
 
@@ -54,6 +55,12 @@ def test_layer_mid_is_the_stream_the_mlp_output_is_added_to():
     assert PostNorm("ln_1", "ln_2").layer_mid() is None and Custom("layer_output = f(x)", lambda t, b: t).mid is None
 
 
+def test_the_addends_of_a_tree_are_what_its_additions_add_in_its_order():
+    assert addends(Sum((X + A * "r") + M / 4.0).tree) == [X, A * "r", M / 4.0]
+    assert addends(Sum(M + (A + X)).tree) == [M, A, X]
+    assert addends(((X + A) + M) * "layer_scalar") == [((X + A) + M) * "layer_scalar"]  # a scaled sum adds one thing
+
+
 def test_renaming_changes_the_formula_and_the_arithmetic_together():
     mixer = SEQUENTIAL.renamed({"attention_output": "mixer_output"})
     assert mixer == Sum((X + Name("mixer_output")) + M)
@@ -64,6 +71,54 @@ def test_renaming_changes_the_formula_and_the_arithmetic_together():
     assert torch.equal(renamed.combine({"layer_input": BIG, "mixer_output": ONE}, None), BIG + ONE)
     assert Sum(X + M, note="(a note)").noted("(and another)").formula == \
         "layer_output = layer_input + mlp_output (a note) (and another)"
+
+
+def test_a_custom_formula_names_exactly_the_terms_its_code_reads():
+    """A Custom declares the terms its code reads: the formula must name those, and the code is given those alone
+    and must read each, so neither the formula nor the declaration drifts from the code unseen."""
+
+    def code(t, _):
+        return t["layer_input"] + t["attention_output"]
+
+    faithful = Custom("layer_output = layer_input + attention_output", code,
+                      reads=("layer_input", "attention_output"))
+    assert faithful.drift(TERMS) == "" and torch.equal(faithful.combine(TERMS, None), BIG + ONE)
+    # drifted: the formula names a value the code does not use, or omits one it does
+    names_more = Custom("layer_output = (layer_input + attention_output) + mlp_output", code,
+                        reads=("layer_input", "attention_output"))
+    assert names_more.drift(TERMS) == "the formula names ['mlp_output'], which its code does not read"
+    omits = Custom("layer_output = layer_input + mlp_output", code, reads=("layer_input", "attention_output"))
+    assert omits.drift(TERMS) == ("the formula names ['mlp_output'], which its code does not read; "
+                                  "the formula omits ['attention_output'], which its code reads")
+    # drifted: the declaration says more or less than the code reads, which the recomputation refuses
+    with pytest.raises(ValueError, match=r"declares \['mlp_output'\] in reads=, which its code does not read"):
+        Custom("layer_output = (layer_input + attention_output) + mlp_output", code,
+               reads=("layer_input", "attention_output", "mlp_output")).combine(TERMS, None)
+    with pytest.raises(KeyError, match="reads 'attention_output', which its reads= does not declare"):
+        Custom("layer_output = layer_input", code, reads=("layer_input",)).combine(TERMS, None)
+    # renamed, the formula, the declaration and the terms the code is given change together
+    mixer = faithful.renamed({"attention_output": "mixer_output"})
+    assert mixer.reads == ("layer_input", "mixer_output") and mixer.drift({"layer_input", "mixer_output"}) == ""
+    assert torch.equal(mixer.combine({"layer_input": BIG, "mixer_output": ONE}, None), BIG + ONE)
+
+
+def test_every_custom_identity_of_a_family_names_the_terms_its_code_reads():
+    """Over every family's blocks (each configuration its page documents): the terms a block gives its identity are
+    the identity's values and its extra tensors, and a Custom's formula names exactly those its code reads."""
+    checked = 0
+    for family in FAMILIES:
+        for _, changes in family.variants or (("test config", {}),):
+            config = family.tiny_config()
+            for key, value in changes.items():
+                setattr(config, key, value)
+            spec, text = for_config(family, config), config.get_text_config()
+            for i in range(text.num_hidden_layers):
+                block = spec.block(text, i)
+                if isinstance(block.identity, Custom):
+                    terms = {*IDENTITY_TERMS, *block.extra} - {"layer_output"}
+                    assert block.identity.drift(terms) == "", f"{family.name} block {i}: {block.identity.drift(terms)}"
+                    checked += 1
+    assert checked > 0
 
 
 def test_the_tree_is_data_that_compares_and_hashes():
