@@ -273,7 +273,7 @@ def names_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-MOST_FAMILIES_PER_TABLE = 6  # columns of one availability table: it fits the page's width at 1280 px
+MOST_FAMILIES_PER_TABLE = 5  # columns of one availability table: it fits the page's width at 1280 px
 
 
 def _availability(found: list[Shape], value, reasons: dict[str, int]) -> str:
@@ -296,9 +296,10 @@ def availability_page() -> str:
              "value, the family and the reason; `model.availability(i)` lists them.", ""]
     reasons: dict[str, int] = {}
     found = {family.name: shapes(family) for family in FAMILIES}
-    tables = -(-len(FAMILIES) // MOST_FAMILIES_PER_TABLE)
+    families = sorted(FAMILIES, key=lambda f: f.name.casefold())  # the tables' titles say "A to B"
+    tables = -(-len(families) // MOST_FAMILIES_PER_TABLE)
     for n in range(tables):  # tables of as even a size as can be
-        chunk = FAMILIES[n * len(FAMILIES) // tables:(n + 1) * len(FAMILIES) // tables]
+        chunk = families[n * len(families) // tables:(n + 1) * len(families) // tables]
         lines += [f"## {chunk[0].name} to {chunk[-1].name}", "", '<div class="matrix" markdown>', "",
                   "| value | " + " | ".join(f"[{f.name}](families/{slug(f)}.md)" for f in chunk) + " |",
                   "|---|" + ":-:|" * len(chunk)]

@@ -37,7 +37,7 @@ class UnscaledQueries(EagerAttention):
     """The standard places, but the queries at ``q_proj``'s output (the attention function's are pre-scaled)."""
 
     def locations(self, attention: str) -> dict[str, At]:
-        return {**super().locations(attention), "queries": At(attention, "output", op="self_q_proj_0", heads=True)}
+        return {**EagerAttention.locations(self, attention), "queries": At(attention, "output", op="self_q_proj_0", heads=True)}
 
 
 def _block(config, i):

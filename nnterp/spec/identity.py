@@ -219,14 +219,14 @@ class _Given(dict):
     """The terms a ``Custom``'s code is given: those it declares, each marked once the code reads it."""
 
     def __init__(self, terms: Terms, names: tuple[str, ...]):
-        super().__init__((name, terms[name]) for name in names)
+        dict.__init__(self, ((name, terms[name]) for name in names))  # explicit: a trace ships it by source
         self.unread = set(names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self:
             raise KeyError(f"the identity's code reads {name!r}, which its reads= does not declare")
         self.unread.discard(name)
-        return super().__getitem__(name)
+        return dict.__getitem__(self, name)
 
 
 class _Aliased(Mapping):

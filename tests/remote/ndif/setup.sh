@@ -5,7 +5,7 @@
 #   Debian's redis-server.
 # Without a Python 3.12 it says so and exits 0 leaving no venv: the test then skips, printing why.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."  # the checkout's root
 CLIENT=${NNTERP_VENV:-.venv}
 VENV=${NDIF_VENV:-.ndif-venv}
 
