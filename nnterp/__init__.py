@@ -4,6 +4,9 @@ from .analysis import AnalysisUnavailable
 from .collection import Collection, CollectionError, collect
 from .compat import legacy as _legacy
 from .compat import paths as _paths
+from .compat import transformer_lens as _transformer_lens
+from .compat.transformer_lens import HookedTransformer
+from .compat.transformer_lens import saes as _saes
 from .core.allocator import tune_allocator
 from .core.edits import skip_layers
 from .core.inference import infer_family
@@ -13,6 +16,7 @@ from .core.standardized import Availability, StandardizedTransformer
 from .core.tokens import AnswerToken, test_prompt, to_str_tokens, visible
 from .dictionaries import Dictionary, DictionaryError, load_dictionary, site_table
 from .dictionaries.splicing import Splice, splice, top_activations
+from .graphs import Graph, attribution_graph, load_transcoders, prune_graph
 from .spec.catalog import CATALOG, Value
 from .spec.errors import (
     BadAssignment,
@@ -35,6 +39,7 @@ from .version import __version__
 
 _paths.install()  # the module paths of before the packages (nnterp.lens, nnterp.nnsight_utils, ...)
 _legacy.install(StandardizedTransformer)  # nnterp 1.x's names and constructor arguments (the core has neither)
+_transformer_lens.install(StandardizedTransformer)  # TransformerLens's hooks, tokens, cfg and weights
 
 __all__ = [
     "__version__",
@@ -42,8 +47,13 @@ __all__ = [
     "AnalysisUnavailable",
     "BadInput",
     "CollectionError",
+    "HookedTransformer",
     "Dictionary",
     "DictionaryError",
+    "Graph",
+    "attribution_graph",
+    "load_transcoders",
+    "prune_graph",
     "Splice",
     "load_dictionary",
     "site_table",
@@ -93,10 +103,15 @@ __all__ = [
 for _tool in (run_with_cache, to_str_tokens, test_prompt):
     setattr(StandardizedTransformer, _tool.__name__, _tool)
 del _tool
+_saes.install(StandardizedTransformer)  # SAELens's run_with_saes, run_with_cache_with_saes, saes, add_sae, reset_saes
 
 
 def __getattr__(name: str):
-    """1.x's top-level names, from their 1.x modules (imported on first use)."""
+    """1.x's top-level names, from their 1.x modules, and StandardizedVLLM (vLLM is an extra: imported on first use)."""
+    if name == "StandardizedVLLM":
+        from .vllm import StandardizedVLLM
+
+        return StandardizedVLLM
     if name == "ModuleAccessor":
         from .compat.nnsight_utils import ModuleAccessor
 

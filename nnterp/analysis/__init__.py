@@ -15,9 +15,9 @@ times ``residual_multiplier``) and the stream the block received. The decomposit
 such a sum (a scalar or gate on the stream, a norm after the add, mixed or parallel streams) is refused with
 the reason, as is a model that changes the stream between blocks.
 
-Norms. A norm is frozen as the affine map it applied in the pass (``norms``), its bias a component of its
-own, so a stack whose rows sum to the stream sums, through the frozen norm, to the normed stream the model
-saw (within rounding). The decomposition keeps the model's dtype, in which its sums are exact; everything
+Norms. A norm is frozen as the affine map it applied in the pass (``norms``), so a stack whose rows sum to
+the stream sums, through the frozen norm, to the normed stream the model saw less the norm's bias (within
+rounding); the bias, and the head's in an attribution, are rows of their own with ``incl_bias=True``. The decomposition keeps the model's dtype, in which its sums are exact; everything
 computed from it (norms, heads, neurons, attributions) is float32.
 
 The modules, by concern: ``blocks`` (a block's identity as a sum), ``decomposition`` (the stream's rows),

@@ -37,18 +37,22 @@ def _directions(model, tokens, what: str) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 def logit_attrs(cache, residual_stack: torch.Tensor, tokens, incorrect_tokens=None, pos_slice=None,
-                batch_slice=None, has_batch_dim: bool = True, incl_bias: bool = True,
+                batch_slice=None, has_batch_dim: bool = True, incl_bias: bool = False,
                 labels: Sequence[str] | None = None, before_logits_transform: bool = False):
     """Direct logit attribution: each row of ``residual_stack`` (rows that sum to the stream the final norm reads,
-    e.g. ``decompose_resid()``), through the final norm frozen as it was in the pass, dotted with the head's row of
-    ``tokens`` (minus ``incorrect_tokens``'s: a logit difference). ``[rows, batch, pos]``; tokens broadcast as in
-    TransformerLens (an id, a string, ``[batch]`` with a position-sliced stack, ``[batch, pos]``). With
-    ``incl_bias``, the final norm's bias and the head's are rows of their own (``ln_final_bias``,
-    ``lm_head_bias``, where they exist), so the rows sum to the model's logit (or logit difference), within
-    rounding, on the positions the stack holds. A model that scales its logits (Cohere, Granite) has that factor
-    in every row; one that softcaps them is refused, as no sum of rows is the capped logit:
-    ``before_logits_transform=True`` attributes the head's output before the cap. With ``labels``, returns
-    ``(attributions, labels)`` with the bias rows' labels added."""
+    e.g. ``decompose_resid()``), through the final norm frozen as it was in the pass (``apply_ln_to_stack``),
+    dotted with the head's row of ``tokens`` (minus ``incorrect_tokens``'s: a logit difference). ``[rows, batch,
+    pos]``, one value per row of the stack, as in TransformerLens; tokens broadcast as there (an id, a string,
+    ``[batch]`` with a position-sliced stack, ``[batch, pos]``).
+
+    The rows sum to the model's logit (or logit difference), within rounding, less the biases' term: the final
+    norm's bias dotted with the head's row, plus the head's bias of the token (``ln_final.bias @ W[t] + b[t]``,
+    each minus the incorrect token's), which is TransformerLens's ``b_U[t]`` after ``fold_ln``. ``incl_bias=True``
+    adds that term as rows of its own after the stack's (``ln_final_bias``, ``lm_head_bias``, where they exist),
+    so ``logit_attrs(stack[:0], ..., incl_bias=True).sum(0)`` is the term alone. A model that scales its logits
+    (Cohere, Granite) has that factor in every row, the term's included; one that softcaps them is refused, as no
+    sum of rows is the capped logit: ``before_logits_transform=True`` attributes the head's output before the cap.
+    With ``labels``, returns ``(attributions, labels)``, the bias rows' labels added with them."""
     model = cache.model
     what = "logit_attrs"
     _warn_if_pads(cache, pos_slice, what)

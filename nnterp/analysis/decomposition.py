@@ -94,8 +94,8 @@ def decompose_resid(cache, layer: int | None = None, mlp_input: bool = False, mo
     token mixer, for the stream its MLP's norm reads. ``mode`` ``"attn"`` keeps the token mixers' terms and
     ``"mlp"`` the MLPs' (and ``embed`` with ``incl_embeds``). They sum to the stream: ``recompose`` adds them
     in the family's own order, bit for bit; ``.sum(0)`` within rounding. ``apply_ln=True`` passes them
-    through the norm that reads that stream, frozen (``apply_ln_to_stack``, which adds its bias as a
-    component).
+    through the norm that reads that stream, frozen (``apply_ln_to_stack``): as many rows, which sum to the
+    normed stream less the norm's bias.
     """
     what = "decompose_resid"
     model = cache.model

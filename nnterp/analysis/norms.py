@@ -3,8 +3,9 @@
 A norm is frozen as ``(x - mean(x)) / s * gain + bias`` (no centring on an RMSNorm; ``gain`` is the weight as the
 norm applies it, Gemma's ``1 + weight``), with ``s`` per position, read off the norm's cached input and output
 (TransformerLens's ``hook_scale``). Centring and the weight's convention are read by calling the module on a probe;
-a norm whose output in the pass is not that map is refused. The norm's bias is a component of its own, so a stack
-whose rows sum to the stream sums, through the frozen norm, to the normed stream the model saw (within rounding).
+a norm whose output in the pass is not that map is refused. A stack whose rows sum to the stream sums, through the
+frozen norm, to the normed stream the model saw less the norm's bias (within rounding); the bias is a row of its own
+only where asked (``incl_bias=True``), so a stack keeps TransformerLens's number of rows.
 """
 
 from __future__ import annotations
@@ -179,15 +180,19 @@ def _frozen_at(cache, layer: int, mlp_input: bool, pos_slice, batch_slice, has_b
 
 def apply_ln_to_stack(cache, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
                       pos_slice=None, batch_slice=None, has_batch_dim: bool = True, recompute_ln: bool = False,
-                      incl_bias: bool = True, labels: Sequence[str] | None = None):
+                      incl_bias: bool = False, labels: Sequence[str] | None = None):
     """``residual_stack`` ``[rows, batch, pos, hidden]`` (rows that sum to a stream) through the norm that reads the
     stream at ``layer`` (None: the final norm; else block ``layer``'s attention norm, or its MLP norm with
-    ``mlp_input``), frozen at the scale it had in the pass, with its weight as it applies it. The norm's bias
-    (where it has one, and ``incl_bias``) is one more row, so the rows still sum to the normed stream the model
-    saw. ``pos_slice`` and ``batch_slice`` say which positions and prompts the stack holds (it is already sliced
-    by ``pos_slice``; ``batch_slice`` is applied to it). ``recompute_ln=True`` (the final norm only) norms each row
-    with its own statistics instead, as a stream of its own. With ``labels``, returns ``(stack, labels)``, the
-    bias's label (``ln_final_bias``, ``{layer}_attention_norm_bias``, ...) added."""
+    ``mlp_input``), frozen at the scale it had in the pass, with its weight as it applies it: each row is
+    ``(row - mean(row)) / scale * gain`` (no centring on an RMSNorm), the same shape as the stack, as in
+    TransformerLens. The norm's bias belongs to no row: the rows sum to the normed stream the model saw minus the
+    bias. ``incl_bias=True`` adds the bias as one more row (where the norm has one), so the rows sum to the normed
+    stream itself. (TransformerLens's ``apply_ln_to_stack`` divides by the scale only: its ``fold_ln`` moves the
+    gain into the next weights and the bias into the next biases.) ``pos_slice`` and ``batch_slice`` say which
+    positions and prompts the stack holds (it is already sliced by ``pos_slice``; ``batch_slice`` is applied to
+    it). ``recompute_ln=True`` (the final norm only) norms each row with its own statistics instead, as a stream of
+    its own, bias included. With ``labels``, returns ``(stack, labels)``, the bias's label (``ln_final_bias``,
+    ``{layer}_attention_norm_bias``, ...) added with its row."""
     model = cache.model
     layer = _layer(model, layer, "apply_ln_to_stack")
     stack = _take(residual_stack, batch_slice, 1) if has_batch_dim else residual_stack

@@ -113,9 +113,8 @@ def _stack_of(cache, per_layer, layer, incl_remainder, pos_slice, apply_ln, retu
     if incl_remainder:
         stack = torch.cat([stack, (stream - stack.sum(0))[None]])
         labels.append("remainder")
-    if apply_ln:  # the norm's bias joins a stack whose rows sum to the stream
-        stack, labels = apply_ln_to_stack(cache, stack, layer, pos_slice=pos_slice, incl_bias=incl_remainder,
-                                          labels=labels)
+    if apply_ln:  # as many rows as TransformerLens's: the norm's bias is no row
+        stack, labels = apply_ln_to_stack(cache, stack, layer, pos_slice=pos_slice, labels=labels)
     return (stack, labels) if return_labels else stack
 
 
@@ -127,7 +126,8 @@ def stack_head_results(cache, layer: int | None = -1, return_labels: bool = Fals
     ``decompose_resid``. A block whose token mixer is not attention has none; a family whose blocks are not the
     stream plus contributions is refused, as ``decompose_resid`` is. ``incl_remainder`` adds the rest of the
     stream at ``layer`` (embeddings, projection biases, MLPs, other mixers) as ``remainder``; ``apply_ln`` passes the rows through the norm that reads that
-    stream, frozen (its bias a row of its own with ``incl_remainder``)."""
+    stream, frozen (``apply_ln_to_stack``: as many rows; with the remainder they sum to the normed stream less the
+    norm's bias)."""
     model = cache.model
     _warn_if_pads(cache, pos_slice, "stack_head_results")
     layer = _layer(model, layer, "stack_head_results")

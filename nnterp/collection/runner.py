@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nnsight
 import torch
+from nnsight.modeling.transformers import TransformersModel  # its generate: nnsight's tracer on any subclass
 from tqdm.auto import tqdm
 
 from ..dictionaries import Dictionary
@@ -15,6 +16,7 @@ from ..dictionaries.splicing import flatten_heads, place
 from ..spec.catalog import BY_NAME
 from ..spec.selection import layer_indices, token_index, value_name
 from ..tools.activation_cache import OVER_CACHED_POSITIONS
+from ..tools.refusals import refuse_unsupported
 from ..tools.steering import (
     apply_steering,
     check_new_tokens,
@@ -65,6 +67,7 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
     without generation), as ``run_with_cache``'s ``steer``; the manifest records them, so a resume with other
     vectors is refused.
     """
+    refuse_unsupported(model, "collect")
     if isinstance(prompts, str):
         raise TypeError("collect takes a list of prompts, not one string (it would collect one row per character): "
                         "pass [prompt].")
@@ -221,7 +224,7 @@ def _collect_generated(model, inputs, events, names, layers, positions, dtype, r
     ``positions`` selects among the steps."""
     refuse_right_padding(model, inputs, "collect(..., max_new_tokens=...)")
     wanted, prompt = _generated_steps(positions, max_new_tokens), inputs.input_ids.shape[1]
-    with torch.no_grad(), model.generate(inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+    with torch.no_grad(), TransformersModel.generate(model, inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                          do_sample=False, remote=remote) as tracer:
         steps = nnsight.save([])
         for step in tracer.iter[0:max_new_tokens]:

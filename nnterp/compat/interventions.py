@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import nnsight
 import torch
+from nnsight.modeling.transformers import TransformersModel  # its generate: nnsight's tracer on any subclass
 
 from ..spec.selection import layer_indices, token_index
 from ..tools import patchscope
@@ -155,7 +156,7 @@ def patchscope_generate(model, prompts, target_patch_prompt: TargetPrompt, max_l
     latents = last_token_values(model, prompts, layers, remote)
     generations = {}
     for k, layer in enumerate(layers):
-        with torch.no_grad(), model.generate([target_patch_prompt.prompt] * len(prompts), max_new_tokens=max_length,
+        with torch.no_grad(), TransformersModel.generate(model, [target_patch_prompt.prompt] * len(prompts), max_new_tokens=max_length,
                                              remote=remote) as tracer:
             stream = model.read_value(layer, "layer_output")  # the prompt's pass
             stream[:, target_patch_prompt.index_to_patch] = latents[k].to(device=stream.device, dtype=stream.dtype)

@@ -8,7 +8,9 @@ library is not needed): SAELens (``cfg.json`` + ``sae_weights.safetensors``), El
 the reconstruction is ``features @ W_dec + b_dec`` (normalization undone), plus ``x @ W_skip.T`` for a
 transcoder with a skip connection. Producers' rescalings that do not change what a dictionary computes
 (SAELens's top-k decoder-norm rescaling, its finetuning scale, a folded norm scaling factor) are folded
-into the weights, as the producers do themselves.
+into the weights, as the producers do themselves. A ``Dictionary`` is a ``torch.nn.Module`` with the names of
+SAELens's ``SAE`` (``W_enc``, ``b_dec``, ``cfg.d_sae``, ``cfg.metadata.hook_name``), and the model's
+``run_with_saes`` and ``run_with_cache_with_saes`` (``nnterp.compat.transformer_lens.saes``) splice it as SAELens does.
 
 ``dictionary.site`` is ``(layer, standard value)``, translated from the producer's name by one table
 (``SITE_TABLE``, printed by ``site_table()``): TransformerLens hook names (SAELens) through the catalog's
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..spec.catalog import TRANSFORMERLENS_NAMES, value_named
+from ..spec import catalog
+from ..spec.catalog import ATTENTION_INTERNALS, BY_NAME, PER_HEAD, TRANSFORMERLENS_NAMES, value_named
 from ..spec.errors import NNterpError
 
 Site = tuple[int, str]
@@ -45,7 +48,7 @@ class DictionaryError(NNterpError, ValueError):
 FOLDER_KINDS: dict[str, Callable] = {}
 
 
-class Dictionary:
+class Dictionary(torch.nn.Module):
     """A sparse dictionary: an encoder to features and a decoder back, and the standard value it reads.
 
     Built by ``load_dictionary``; ``Dictionary(W_enc, b_enc, W_dec, b_dec, ...)`` builds one from tensors
@@ -54,12 +57,19 @@ class Dictionary:
     largest pre-activations of each token, through a ReLU), ``"gated"`` (``b_enc`` is the gate's bias; the
     magnitude path reads ``W_enc * exp(r_mag)`` and ``b_mag``) or ``"groupmax"`` (the largest of each of
     ``k`` groups), or ``"identity"`` (the pre-activations themselves: a tuned lens's translator,
-    ``TunedLens.dictionary``). ``center`` is subtracted from the input before encoding (SAELens's
-    ``apply_b_dec_to_input``), ``normalize`` is ``"none"``, ``"constant_norm_rescale"`` or ``"layer_norm"``
-    (SAELens's), undone by the decoder. ``site`` and ``out_site`` (a transcoder's output) are
+    ``TunedLens.dictionary``). ``center`` is subtracted from the input before encoding (``center=b_dec``, the same
+    tensor, is SAELens's ``apply_b_dec_to_input``), ``normalize`` is ``"none"``, ``"constant_norm_rescale"`` or
+    ``"layer_norm"`` (SAELens's), undone by the decoder. ``site`` and ``out_site`` (a transcoder's output) are
     ``(layer, value)``, or None with ``site_reason`` saying why the producer's name has no standard value.
 
-    A plain class of tensors and plain methods: it travels with a remote request as it is.
+    A ``torch.nn.Module`` as SAELens's ``SAE`` is: its tensors are parameters (``parameters()``, ``state_dict()``,
+    ``load_state_dict``; ``.to(device, dtype)`` converts it in place), created without gradients
+    (``requires_grad_()`` to train them), and ``cfg`` says what SAELens's ``sae.cfg`` says (``d_in``, ``d_sae``,
+    ``dtype``, ``device``, ``metadata.hook_name``, ``architecture()``). A dictionary read at a per-head value
+    (SAELens's ``hook_z``, nnterp's ``attention_premix``) takes ``[..., heads, head_dim]`` as well as
+    ``[..., heads * head_dim]``, and ``forward`` gives the shape it was given. ``use_error_term`` is what
+    ``model.add_sae(dictionary)`` uses when it is not told. Its classes' methods are hand-written: it travels with a
+    remote request as it is.
     """
 
     def __init__(self, W_enc, b_enc, W_dec, b_dec, *, activation: str = "relu", k: int | None = None,
@@ -67,6 +77,7 @@ class Dictionary:
                  site: Site | None = None, out_site: Site | None = None, transcoder: bool = False,
                  hook: str | None = None, out_hook: str | None = None, site_reason: str | None = None,
                  modules: dict | None = None, format: str = "", architecture: str = "", config: dict | None = None):
+        torch.nn.Module.__init__(self)
         if activation not in ACTIVATIONS:
             raise DictionaryError(f"Unknown activation {activation!r}: one of {', '.join(ACTIVATIONS)}.")
         if normalize not in NORMALIZATIONS:
@@ -76,16 +87,64 @@ class Dictionary:
         if W_enc.dim() != 2 or W_dec.dim() != 2 or W_enc.shape[1] != W_dec.shape[0]:
             raise DictionaryError(f"W_enc is [d_in, d_sae] and W_dec [d_sae, d_out]: got {list(W_enc.shape)} and "
                                   f"{list(W_dec.shape)}.")
-        self.W_enc, self.b_enc, self.W_dec, self.b_dec = W_enc, b_enc, W_dec, b_dec
-        self.threshold, self.r_mag, self.b_mag, self.center, self.W_skip = threshold, r_mag, b_mag, center, W_skip
+        # SAELens subtracts b_dec itself: one parameter, so an edit of b_dec (or a loaded state dict) moves both
+        self.apply_b_dec_to_input = center is not None and center is b_dec
+        tensors = {"W_enc": W_enc, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec, "threshold": threshold,
+                   "r_mag": r_mag, "b_mag": b_mag, "W_skip": W_skip}
+        if not self.apply_b_dec_to_input:
+            tensors["center"] = center
+        for name, tensor in tensors.items():
+            self.register_parameter(name, None if tensor is None else
+                                    torch.nn.Parameter(tensor.detach(), requires_grad=False))
         self.activation, self.k, self.normalize = activation, k, normalize
         self.transcoder = transcoder or out_site is not None
         self.site = None if site is None else _checked_site(site)
         self.out_site = None if out_site is None else _checked_site(out_site)
         self.hook, self.out_hook, self.site_reason = hook, out_hook, site_reason
         # where sparsify's module paths read, checked against the model's own spec when spliced
-        self.modules = dict(modules or {})
+        self.module_paths = dict(modules or {})
         self.format, self.architecture, self.config = format, architecture, dict(config or {})
+        self.use_error_term = False
+
+    def __getattr__(self, name: str):
+        if name == "center" and self.__dict__.get("apply_b_dec_to_input"):
+            return torch.nn.Module.__getattr__(self, "b_dec")
+        if name == "b_gate" and self.__dict__.get("activation") == "gated":  # SAELens's name of the gate's bias
+            return torch.nn.Module.__getattr__(self, "b_enc")
+        return torch.nn.Module.__getattr__(self, name)
+
+    @property
+    def cfg(self) -> DictionaryConfig:
+        """What SAELens's ``sae.cfg`` says: ``d_in``, ``d_sae``, ``dtype``, ``device``, ``apply_b_dec_to_input``,
+        ``normalize_activations``, ``reshape_activations``, ``metadata.hook_name`` (and ``hook_name`` at the top, as
+        SAELens 5 spelled it), ``architecture()``, ``to_dict()``. Read-only: set ``dictionary.site`` to move it."""
+        return DictionaryConfig(self)
+
+    @property
+    def hook_name(self) -> str | None:
+        """The TransformerLens hook name of the site: the producer's (SAELens's ``cfg.metadata.hook_name``), or the one
+        that reads the site's standard value; None where no hook name does."""
+        if self.format == "saelens" and self.hook and (self.site is None or transformerlens_site(self.hook)[0]
+                                                        == self.site):
+            return self.hook
+        return None if self.site is None else transformerlens_hook(*self.site)
+
+    @property
+    def hook_name_out(self) -> str | None:
+        """A transcoder's output hook name (SAELens's ``cfg.metadata.hook_name_out``), as ``hook_name``."""
+        if not self.transcoder:
+            return None
+        if self.format == "saelens" and self.out_hook and (self.out_site is None or
+                                                            transformerlens_site(self.out_hook)[0] == self.out_site):
+            return self.out_hook
+        return None if self.out_site is None else transformerlens_hook(*self.out_site)
+
+    @property
+    def reads_heads(self) -> bool:
+        """Whether it reads a per-head value flattened (SAELens's ``reshape_activations="hook_z"``)."""
+        if self.config.get("reshape_activations") == "hook_z" or (self.hook or "").endswith("hook_z"):
+            return True
+        return self.site is not None and BY_NAME[self.site[1]].dims == PER_HEAD
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -117,30 +176,38 @@ class Dictionary:
 
     # -- the math ---------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """The features of ``x`` (``[..., d_in]``), ``[..., d_sae]``, in the dictionary's dtype; zero at the vectors it
-        cannot encode, where the producer's math gives NaN or features of nothing: a zero vector of a dictionary that
-        normalizes by the norm (constant_norm_rescale), a constant one (zero too) of one that normalizes by the
-        spread (layer_norm), and any vector whose features are not finite."""
+        """The features of ``x`` (``[..., d_in]``; a per-head dictionary's ``[..., heads, head_dim]`` too),
+        ``[..., d_sae]``, in the dictionary's dtype; zero at the vectors it cannot encode, where the producer's math
+        gives NaN or features of nothing: a zero vector of a dictionary that normalizes by the norm
+        (constant_norm_rescale), a constant one (zero too) of one that normalizes by the spread (layer_norm), and any
+        vector whose features are not finite."""
         return self._encode(x)[0]
 
     def decode(self, features: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """``features @ W_dec + b_dec``, the input's normalization undone (which needs the input ``x`` that was
-        encoded, where the dictionary normalizes it). A transcoder's skip connection is ``forward``'s."""
+        encoded, where the dictionary normalizes it), ``[..., d_out]``, or the ``[..., heads, head_dim]`` of ``x``
+        where ``x`` was given so. A transcoder's skip connection is ``forward``'s."""
         if self.normalize != "none" and x is None:
             raise DictionaryError(f"This dictionary normalizes its input ({self.normalize}): decode(features, x) needs "
                                   "the input x that was encoded, to undo it.")
-        return self._decode(features, self._scale(self._cast(x)) if self.normalize != "none" else None)
+        decoded = self._decode(features, self._scale(self._cast(x)) if self.normalize != "none" else None)
+        return decoded if x is None else self._as_given(decoded, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The reconstruction of ``x`` (a transcoder's prediction of its output site, skip connection included)."""
+        """The reconstruction of ``x`` (a transcoder's prediction of its output site, skip connection included), in
+        the shape ``x`` was given (a per-head value's ``[..., heads, head_dim]``)."""
         features, scale, _ = self._encode(x)
-        return self._decode(features, scale) + self.skip(x)
-
-    __call__ = forward
+        return self._as_given(self._decode(features, scale) + self.skip(x), x)
 
     def skip(self, x: torch.Tensor) -> torch.Tensor | int:
         """A transcoder's skip connection ``x @ W_skip.T`` (0 without one)."""
         return 0 if self.W_skip is None else self._cast(x) @ self._on(self.W_skip, x).T
+
+    def _as_given(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (``[..., d]``) as the per-head ``[..., heads, head_dim]`` of ``x``, where ``x`` was given so."""
+        if x.shape[-1] != self.d_in and out.shape[-1] == x.shape[-2] * x.shape[-1]:
+            return out.unflatten(-1, tuple(x.shape[-2:]))
+        return out
 
     def direction(self, feature: int, x: torch.Tensor | None = None) -> torch.Tensor:
         """What one unit of ``feature`` adds at the output site, ``decode(e_f, x) - decode(0, x)``: the decoder's row
@@ -170,16 +237,6 @@ class Dictionary:
             raise IndexError(f"Feature {feature} is out of range: the dictionary has {self.d_sae} features.")
         return feature
 
-    def to(self, device=None, dtype: torch.dtype | None = None) -> Dictionary:
-        """The same dictionary with its tensors on ``device`` and in ``dtype`` (a new object)."""
-        names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "r_mag", "b_mag", "center", "W_skip")
-        moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device=device, dtype=dtype)
-                 for name in names}
-        return Dictionary(**moved, activation=self.activation, k=self.k, normalize=self.normalize, site=self.site,
-                          out_site=self.out_site, transcoder=self.transcoder, hook=self.hook, out_hook=self.out_hook,
-                          site_reason=self.site_reason, modules=self.modules, format=self.format,
-                          architecture=self.architecture, config=self.config)
-
     def _on(self, tensor, like):
         """``tensor`` on the device of ``like`` (a dictionary spliced into a model on another device, or remotely)."""
         return tensor if tensor is None or tensor.device == like.device else tensor.to(like.device)
@@ -187,6 +244,8 @@ class Dictionary:
     def _cast(self, x):
         if x is None:
             return None
+        if x.shape[-1] != self.d_in and x.dim() >= 2 and x.shape[-2] * x.shape[-1] == self.d_in and self.reads_heads:
+            x = x.flatten(-2)  # TransformerLens's hook_z, [..., heads, head_dim]
         if x.shape[-1] != self.d_in:
             raise DictionaryError(f"The dictionary reads vectors of {self.d_in} features; this tensor has "
                                   f"{x.shape[-1]} (shape {list(x.shape)}).")
@@ -205,6 +264,15 @@ class Dictionary:
         """``(features, scale, encoded)``: ``encoded`` (``[..., 1]``) is False at the vectors the dictionary cannot
         encode, a zero (or, for layer_norm, constant) vector it normalizes or a non-finite result; their features
         are zero, and a splice keeps their value."""
+        x, scale, encoded = self._processed(x)
+        features = self._activate(x, self._pre(x))
+        finite = features.isfinite().all(dim=-1, keepdim=True)
+        encoded = finite if encoded is None else encoded & finite
+        return features.where(encoded, 0), scale, encoded
+
+    def _processed(self, x):
+        """``(x as the encoder reads it, scale, encoded)``: normalized and centered (SAELens's ``process_sae_in``);
+        ``encoded`` (None without a normalization) False where the normalization has no direction to keep."""
         x = self._cast(x)
         scale = self._scale(x)
         encoded = None
@@ -217,18 +285,19 @@ class Dictionary:
             x = (x - scale[1]) / (scale[2] + 1e-5)
         if self.center is not None:
             x = x - self._on(self.center, x)
-        features = self._activate(x)
-        finite = features.isfinite().all(dim=-1, keepdim=True)
-        encoded = finite if encoded is None else encoded & finite
-        return features.where(encoded, 0), scale, encoded
+        return x, scale, encoded
 
-    def _activate(self, x):
+    def _pre(self, x):
+        """The pre-activations of a processed input (SAELens's ``hook_sae_acts_pre``: a gated one's magnitudes)."""
         W_enc = self._on(self.W_enc, x)
         if self.activation == "gated":
-            gate = (x @ W_enc + self._on(self.b_enc, x)) > 0
-            magnitude = x @ (W_enc * self._on(self.r_mag, x).exp()) + self._on(self.b_mag, x)
-            return gate.to(x.dtype) * torch.relu(magnitude)
-        pre = x @ W_enc + self._on(self.b_enc, x)
+            return x @ (W_enc * self._on(self.r_mag, x).exp()) + self._on(self.b_mag, x)
+        return x @ W_enc + self._on(self.b_enc, x)
+
+    def _activate(self, x, pre):
+        if self.activation == "gated":
+            gate = (x @ self._on(self.W_enc, x) + self._on(self.b_enc, x)) > 0
+            return gate.to(x.dtype) * torch.relu(pre)
         if self.activation == "identity":
             return pre
         if self.activation == "relu":
@@ -243,8 +312,11 @@ class Dictionary:
         return dense.scatter_(-1, groups.indices.unsqueeze(-1), groups.values.unsqueeze(-1)).flatten(-2)
 
     def _decode(self, features, scale):
-        out = features.to(self.dtype) @ self._on(self.W_dec, features) + self._on(self.b_dec, features)
-        return self._unscale(out, scale)
+        return self._unscale(self._recons(features), scale)
+
+    def _recons(self, features):
+        """``features @ W_dec + b_dec``, before the input's normalization is undone (SAELens's ``hook_sae_recons``)."""
+        return features.to(self.dtype) @ self._on(self.W_dec, features) + self._on(self.b_dec, features)
 
     def _unscale(self, out, scale, shift: bool = True):
         if self.transcoder:  # its prediction is of another site: SAELens does not undo the input's normalization
@@ -258,6 +330,115 @@ class Dictionary:
     def _delta(self, change, scale):
         """What a change of the features changes the reconstruction by: exactly zero for no change."""
         return self._unscale(change.to(self.dtype) @ self._on(self.W_dec, change), scale, shift=False)
+
+
+class DictionaryConfig:
+    """A dictionary's ``cfg``, read as SAELens's ``SAEConfig`` is (``d_in``, ``d_sae``, ``dtype``, ``device``,
+    ``apply_b_dec_to_input``, ``normalize_activations``, ``reshape_activations``, ``metadata``, ``architecture()``,
+    ``to_dict()``), from the dictionary itself: it follows ``.to()`` and ``dictionary.site``. Read-only."""
+
+    def __init__(self, dictionary: Dictionary):
+        object.__setattr__(self, "_dictionary", dictionary)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"A dictionary's cfg is read from the dictionary: cfg.{name} cannot be set (set "
+                             "dictionary.site to move it, .to(...) to convert it).")
+
+    @property
+    def d_in(self) -> int:
+        return self._dictionary.d_in
+
+    @property
+    def d_sae(self) -> int:
+        return self._dictionary.d_sae
+
+    @property
+    def d_out(self) -> int:
+        return self._dictionary.d_out
+
+    @property
+    def k(self) -> int | None:
+        return self._dictionary.k
+
+    @property
+    def dtype(self) -> str:
+        return str(self._dictionary.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return str(self._dictionary.device)
+
+    @property
+    def apply_b_dec_to_input(self) -> bool:
+        return self._dictionary.apply_b_dec_to_input
+
+    @property
+    def normalize_activations(self) -> str:
+        """SAELens's: a norm scaling factor (``expected_average_only_in``) is folded into the weights, as SAELens folds
+        it, so it reads ``"none"`` then."""
+        return self._dictionary.normalize
+
+    @property
+    def reshape_activations(self) -> str:
+        return "hook_z" if self._dictionary.reads_heads else "none"
+
+    @property
+    def metadata(self) -> DictionaryMetadata:
+        return DictionaryMetadata(self._dictionary)
+
+    @property
+    def hook_name(self) -> str | None:
+        """SAELens 5's spelling of ``metadata.hook_name``."""
+        return self._dictionary.hook_name
+
+    def architecture(self) -> str:
+        """SAELens's architecture name (``standard``, ``topk``, ``jumprelu``, ``gated``, a transcoder's), or the
+        producer's class for another format."""
+        return self._dictionary.architecture or self._dictionary.activation
+
+    def to_dict(self) -> dict:
+        names = ("d_in", "d_sae", "dtype", "device", "apply_b_dec_to_input", "normalize_activations",
+                 "reshape_activations")
+        found = {name: getattr(self, name) for name in names}
+        if self.k:
+            found["k"] = self.k
+        if self._dictionary.transcoder:
+            found["d_out"] = self.d_out
+        return {**found, "metadata": self.metadata.to_dict(), "architecture": self.architecture()}
+
+    def __repr__(self) -> str:
+        return f"DictionaryConfig({self.to_dict()})"
+
+
+class DictionaryMetadata:
+    """``cfg.metadata``, as SAELens's ``SAEMetadata``: ``hook_name`` (and ``hook_name_out``), the TransformerLens hook
+    name of the site; the producer's other metadata as it wrote it (``model_name``, ...); None for what it lacks."""
+
+    def __init__(self, dictionary: Dictionary):
+        saved = dictionary.config.get("metadata")
+        found = dict(saved) if isinstance(saved, dict) else {}
+        found.update(hook_name=dictionary.hook_name, hook_name_out=dictionary.hook_name_out)
+        object.__setattr__(self, "_found", found)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._found.get(name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"A dictionary's cfg.metadata is read from the dictionary: {name} cannot be set.")
+
+    def __getitem__(self, name):
+        return self._found.get(name)
+
+    def get(self, name, default=None):
+        return self._found.get(name, default)
+
+    def to_dict(self) -> dict:
+        return dict(self._found)
+
+    def __repr__(self) -> str:
+        return f"DictionaryMetadata({self._found})"
 
 
 def _checked_site(site) -> Site:
@@ -302,13 +483,22 @@ DICTIONARY_LEARNING_NAMES: dict[str, str] = {
 }
 
 
+# the hooks a dictionary is placed at: TransformerLens records there the very tensor the standard value is (the
+# catalog's table maps each of its names to the nearest standard value, for suggestions; a name it gains is a site
+# only once it is checked to hold the same tensor and added here)
+TL_SITES = ("resid_pre", "attn.hook_z", "attn_out", "resid_mid", "mlp_in", "mlp.hook_post", "mlp_out", "resid_post")
+
+
+def _tail(key: str) -> str:
+    """A key of the catalog's table as the tail of a block's hook name: ``resid_pre`` -> ``hook_resid_pre``."""
+    return key if "." in key or key.startswith("hook_") else f"hook_{key}"
+
+
 def _transformerlens_hooks() -> dict[str, str]:
-    """``blocks.i.<tail>`` tail -> standard value, from the catalog's table with the corrections above."""
-    hooks = {}
-    for key, standard in TRANSFORMERLENS_NAMES.items():
-        tail = key if "." in key else f"hook_{key}"
-        hooks[tail] = TL_CORRECTIONS.get(key, standard)
-    return hooks
+    """``blocks.i.<tail>`` tail -> standard value, for the hooks a dictionary is placed at (``TL_SITES``), from the
+    catalog's table with the corrections above."""
+    return {_tail(key): TL_CORRECTIONS.get(key, standard) for key, standard in TRANSFORMERLENS_NAMES.items()
+            if key in TL_SITES}
 
 
 def transformerlens_site(hook: str) -> tuple[Site | None, str | None]:
@@ -322,6 +512,16 @@ def transformerlens_site(hook: str) -> tuple[Site | None, str | None]:
         return None, f"{hook} has no standard value: {TL_REFUSED[tail]}"
     standard = _transformerlens_hooks().get(tail)
     if standard is None:
+        nearest = {_tail(key): value for key, value in TRANSFORMERLENS_NAMES.items()}.get(tail)
+        computed = getattr(catalog, "TRANSFORMERLENS_COMPUTED", {}).get(tail)
+        if nearest in ATTENTION_INTERNALS:
+            return None, (f"{hook} is {nearest}, which nnterp reads inside the attention computation, where it "
+                          "splices no dictionary")
+        if nearest is not None:
+            return None, (f"{hook} is not a site nnterp places a dictionary at: its nearest standard value, {nearest}, "
+                          "is not known to hold the tensor TransformerLens records there")
+        if computed is not None:
+            return None, f"{hook} has no standard value: it is {computed}, computed from the pass"
         return None, f"the TransformerLens hook {hook!r} has no standard value in nnterp's table (site_table())"
     return (layer, standard), None
 
@@ -330,7 +530,7 @@ def transformerlens_hook(layer: int, value: str) -> str | None:
     """The TransformerLens hook name of ``layers[layer].value`` (``(5, "layer_output")`` ->
     ``"blocks.5.hook_resid_post"``), the first in the table that reads it; None where no hook name does."""
     for tail, standard in _transformerlens_hooks().items():
-        if standard == value and tail not in TL_REFUSED:
+        if standard == value:
             return f"blocks.{layer}.{tail}"
     return None
 
@@ -430,11 +630,12 @@ def load_dictionary(name: str | os.PathLike, *, folder: str | None = None, site:
             f"config.json + params.pt (it has: "
             f"{', '.join(inside) or 'nothing'}).{hint}")
     if site is not None:
-        dictionary.site, dictionary.site_reason, dictionary.modules = _checked_site(site), None, {}
+        dictionary.site, dictionary.site_reason, dictionary.module_paths = _checked_site(site), None, {}
     if out_site is not None:
         dictionary.out_site, dictionary.transcoder = _checked_site(out_site), True
-        dictionary.modules = {}
-    return dictionary if device is None and dtype is None else dictionary.to(device, dtype)
+        dictionary.module_paths = {}
+    moved = {key: value for key, value in (("device", device), ("dtype", dtype)) if value is not None}
+    return dictionary.to(**moved) if moved else dictionary
 
 
 def _local_folder(name, folder: str | None) -> Path:
@@ -481,8 +682,29 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
     """SAELens 6 (``metadata.hook_name``, ``architecture``) and earlier (``hook_name`` or ``hook_point`` at the top,
     ``activation_fn_str``), as ``handle_pre_6_0_config`` reads them."""
     cfg = json.loads((path / "cfg.json").read_text())
+    scaler = path / "activation_scaler.json"
+    if scaling_factor is None and scaler.is_file():  # a training checkpoint's
+        scaling_factor = json.loads(scaler.read_text()).get("scaling_factor")
+    return _saelens_dictionary(cfg, _tensors(path / "sae_weights.safetensors"), scaling_factor, str(path),
+                               "that its folder does not hold: pass it, load_dictionary(path, scaling_factor=...)")
+
+
+def from_saelens(sae, scaling_factor: float | None = None) -> Dictionary:
+    """The ``Dictionary`` of a SAELens ``SAE`` object (``SAE.from_pretrained(...)``, a trained one), read as
+    ``load_dictionary`` reads the folder its ``save_model`` writes; its tensors are the SAE's own, not copies.
+    ``scaling_factor``: as ``load_dictionary``'s, for an SAE whose norm scaling factor is not folded yet."""
+    cfg, weights = sae.cfg.to_dict(), sae.state_dict()
+    dictionary = _saelens_dictionary(cfg, weights, scaling_factor, f"the SAELens SAE {type(sae).__name__}",
+                                     "that the SAE does not hold: pass it, from_saelens(sae, scaling_factor=...)")
+    dictionary.use_error_term = bool(getattr(sae, "use_error_term", False))
+    return dictionary
+
+
+def _saelens_dictionary(cfg: dict, weights: dict, scaling_factor: float | None, where: str, missing: str
+                        ) -> Dictionary:
+    """A SAELens config and state dict as a ``Dictionary`` (``where`` names them in errors; ``missing`` says how to
+    give a norm scaling factor they lack)."""
     meta = {**cfg, **(cfg.get("metadata") or {})}
-    weights = _tensors(path / "sae_weights.safetensors")
     dtype = _dtype(cfg.get("dtype", "float32"))
     weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
     activation_fn = meta.get("activation_fn", meta.get("activation_fn_str", "relu"))
@@ -490,12 +712,12 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
     known = ("standard", "gated", "jumprelu", "topk", "transcoder", "skip_transcoder", "jumprelu_transcoder",
              "jumprelu_skip_transcoder")
     if architecture not in known:
-        raise DictionaryError(f"{path}: SAELens architecture {architecture!r} is not one nnterp reads "
+        raise DictionaryError(f"{where}: SAELens architecture {architecture!r} is not one nnterp reads "
                               f"({', '.join(known)}).")
     if architecture in ("standard", "transcoder", "skip_transcoder") and activation_fn not in ("relu", None):
-        raise DictionaryError(f"{path}: SAELens activation function {activation_fn!r} is not one nnterp reads (relu).")
+        raise DictionaryError(f"{where}: SAELens activation function {activation_fn!r} is not one nnterp reads (relu).")
     if meta.get("hook_head_index") is not None:
-        raise DictionaryError(f"{path}: the dictionary reads one head (hook_head_index={meta['hook_head_index']}) "
+        raise DictionaryError(f"{where}: the dictionary reads one head (hook_head_index={meta['hook_head_index']}) "
                               "of its hook, which nnterp does not splice.")
     W_enc, W_dec, b_dec = weights["W_enc"], weights["W_dec"], weights["b_dec"]
     b_enc = weights.get("b_enc", weights.get("b_gate"))
@@ -503,14 +725,11 @@ def _read_saelens(path: Path, scaling_factor: float | None) -> Dictionary:
     normalize = cfg.get("normalize_activations", "none")
     normalize = {True: "expected_average_only_in", False: "none", None: "none"}.get(normalize, normalize)
     if normalize == "expected_average_only_in":
-        scaler = path / "activation_scaler.json"
-        if scaling_factor is None and scaler.is_file():
-            scaling_factor = json.loads(scaler.read_text()).get("scaling_factor")
         if scaling_factor is None:
             raise DictionaryError(
-                f"{path}: the dictionary was trained on activations scaled by a norm scaling factor "
-                "(normalize_activations='expected_average_only_in') that its folder does not hold: pass it, "
-                "load_dictionary(path, scaling_factor=...), as SAELens folds it (W_enc * s, W_dec / s, b_dec / s).")
+                f"{where}: the dictionary was trained on activations scaled by a norm scaling factor "
+                f"(normalize_activations='expected_average_only_in') {missing}, as SAELens folds it (W_enc * s, "
+                "W_dec / s, b_dec / s).")
         W_enc, W_dec, b_dec, normalize = W_enc * scaling_factor, W_dec / scaling_factor, b_dec / scaling_factor, "none"
     scale = weights.get("scaling_factor", weights.get("finetuning_scaling_factor"))
     if scale is not None and not torch.equal(scale, torch.ones_like(scale)):
@@ -619,4 +838,5 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-__all__ = ["Dictionary", "DictionaryError", "SITE_TABLE", "load_dictionary", "site_table"]
+__all__ = ["Dictionary", "DictionaryConfig", "DictionaryError", "DictionaryMetadata", "SITE_TABLE", "from_saelens",
+           "load_dictionary", "site_table"]

@@ -11,7 +11,8 @@ if it is made before the body asks for anything later. A splice makes that windo
 On entering, the splice reads the dictionary's site and encodes it; on leaving, it writes
 ``decode(features) + error`` back, where ``error = value - decode(original features)``. It is computed as
 ``value + decode(features) - decode(original features)``, so an unedited splice changes nothing, bit for bit,
-and an edit adds exactly what it changes in the decoder's output. A vector the dictionary cannot encode (a zero
+and an edit adds exactly what it changes in the decoder's output. ``splice.error`` is editable inside the block too
+(the model then goes on with ``decode(features) + error`` as edited: zeroed, the reconstruction alone). A vector the dictionary cannot encode (a zero
 vector it normalizes, as at a left-padded batch's pad positions) keeps its value, its features zero. Reading a
 later value of the model inside the ``with`` block moves the model past the site, where the edit can no longer
 go: refused when the block ends.
@@ -59,6 +60,8 @@ class Splice:
             raise DictionaryError(f"The transcoder reads layers[{self.site[0]}].{self.site[1]} and writes "
                                   f"layers[{self.out_site[0]}].{self.out_site[1]}, which the model computes before it.")
         self.features = None
+        self._error = self._error_read = None  # the error, once read inside the block (editable there)
+        self._written = None
         self._state = "new"
 
     def __enter__(self) -> torch.Tensor:
@@ -97,16 +100,32 @@ class Splice:
         if not isinstance(features, torch.Tensor) or features.shape != self._original.shape:
             raise DictionaryError(f"splice.features is the features tensor {list(self._original.shape)}; it was "
                                   f"set to {getattr(features, 'shape', type(features).__name__)}.")
-        if self.keep_error:  # value + decode(features) - decode(original): no change, nothing added
+        error_edited = self._error is not None and not torch.equal(self._error, self._error_read)
+        if error_edited and not self.keep_error:
+            self._state = "failed"
+            raise DictionaryError("splice.error was edited, but this splice drops the error (keep_error=False), so "
+                                  "the edit would not reach the model: splice(model, dictionary) keeps it, edited.")
+        if error_edited:  # the reconstruction of the features, plus the error as edited
+            new = (dictionary._decode(features, self._scale) + dictionary.skip(self._input)
+                   + self._error.to(dictionary.dtype)).to(target.dtype)
+        elif self.keep_error:  # value + decode(features) - decode(original): no change, nothing added
             new = target + dictionary._delta(features - self._original, self._scale).to(target.dtype)
         else:
             new = (dictionary._decode(features, self._scale) + dictionary.skip(self._input)).to(target.dtype)
         # what the dictionary could not encode keeps its value: no NaN of a zero vector's norm spread by attention
         new = new.where(self._encoded.to(new.device), target)
         self._output = target.detach().clone()
-        self.model.write_value(layer, value, new.reshape(live.shape))
+        self._written = new.reshape(live.shape)
+        self.model.write_value(layer, value, self._written)
         self._state = "closed"
         return False
+
+    @property
+    def written(self) -> torch.Tensor:
+        """What the model went on with at the site (a transcoder's: its output site), in the value's own shape
+        (SAELens's ``hook_sae_output``); readable after the block."""
+        self._require("closed")
+        return self._written
 
     @property
     def unencoded(self) -> torch.Tensor:
@@ -127,10 +146,29 @@ class Splice:
     @property
     def error(self) -> torch.Tensor:
         """What the reconstruction misses: the value minus ``reconstruction`` (a transcoder's: of its output
-        site, readable once the block has ended)."""
+        site, readable once the block has ended). Inside the block it is editable (in place, or
+        ``splice.error = new``): the model goes on with ``decode(features) + error`` as edited, so zeroing it
+        drops the error where it is zeroed (all of it: ``keep_error=False``). After the block: the error the model
+        went on with."""
+        if self._error is not None:
+            return self._error
         self._require("closed") if self.out_site else self._require("open", "closed")
         target = self._output if self.out_site else self._input
-        return target.to(self.dictionary.dtype) - self.reconstruction
+        error = target.to(self.dictionary.dtype) - self.reconstruction
+        if self._state == "open":  # kept, and what it was, to tell an edit at the end of the block
+            self._error, self._error_read = error, error.clone()
+        return error
+
+    @error.setter
+    def error(self, new: torch.Tensor) -> None:
+        if self._state != "open" or self.out_site:
+            raise DictionaryError("splice.error is set inside the splice's with block, and for a dictionary whose "
+                                  "site is its output (a transcoder's error is known only after its block).")
+        original = self.error  # read first: what an edit is told from
+        if not isinstance(new, torch.Tensor) or new.shape != original.shape:
+            raise DictionaryError(f"splice.error is the error tensor {list(original.shape)}; it was set to "
+                                  f"{getattr(new, 'shape', type(new).__name__)}.")
+        self._error = new
 
     def _require(self, *states: str) -> None:
         if self._state not in states:
@@ -156,7 +194,7 @@ def place(model, dictionary: Dictionary, which: str = "site") -> tuple[int, str]
     except ValueUnavailable as error:
         raise DictionaryError(f"{dictionary!r} reads layers[{layer}].{value}{named}, which has no meaning on this "
                               f"model: {error}") from None
-    module = dictionary.modules.get(which)
+    module = dictionary.module_paths.get(which)
     if module is not None:
         _check_module(model, dictionary, layer, value, location, *module)
     return layer % model.num_layers, value

@@ -112,6 +112,24 @@ TRANSFORMERLENS_NAMES: dict[str, str] = {
     "attn.hook_pattern": "attention_probabilities", "attn.hook_z": "attention_premix", "attn_out": "attention_output",
     "resid_mid": "layer_mid", "ln2.hook_normalized": "mlp_norm_output", "mlp_in": "layer_mid",
     "mlp.hook_post": "mlp_neurons", "mlp_out": "mlp_output", "resid_post": "layer_output",
+    "attn.hook_rot_q": "queries", "attn.hook_rot_k": "keys",
+}
+# ... and those whose TransformerLens value no standard value holds: computed from the live values of the pass
+# (``nnterp.tools.hook_points`` serves them, read-only where computed), each with how TransformerLens defines it.
+# ``hook_q`` and ``hook_k`` are the queries and keys themselves on a family without rotary embeddings.
+TRANSFORMERLENS_COMPUTED: dict[str, str] = {
+    "ln1.hook_scale": "the attention norm's scale, sqrt(mean(x^2) + eps) of its (centred) input, [batch, seq, 1]",
+    "ln2.hook_scale": "the MLP norm's scale, sqrt(mean(x^2) + eps) of its (centred) input, [batch, seq, 1]",
+    "ln1.hook_normalized": "the attention norm's input, centred where it centres, divided by its scale: before the "
+                           "norm's weight and bias",
+    "ln2.hook_normalized": "the MLP norm's input, centred where it centres, divided by its scale: before the norm's "
+                           "weight and bias",
+    "attn.hook_q": "the queries before the rotary embedding (the query projection's output, per head)",
+    "attn.hook_k": "the keys before the rotary embedding (the key projection's output, per key-value head)",
+    "attn.hook_result": "each head's output through its columns of the output projection, without its bias, "
+                        "[batch, seq, heads, hidden_size]",
+    "mlp.hook_pre": "the input of the MLP's activation function (the gate projection's output on a gated MLP)",
+    "mlp.hook_pre_linear": "a gated MLP's up projection output, which multiplies the activation",
 }
 
 

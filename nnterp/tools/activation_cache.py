@@ -12,14 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import nnsight
+import numpy as np
 import torch
 from nnsight.intervention.interleaver import Mediator
+from nnsight.modeling.transformers import TransformersModel  # its generate: nnsight's tracer on any subclass
 from transformers import BatchEncoding
 
 from .. import analysis
+from ..core.tokens import tl_inputs
 from ..spec.catalog import BY_NAME
-from ..spec.errors import ValueUnavailable
+from ..spec.errors import NNterpError, ValueUnavailable
+from ..spec.locations import At
 from ..spec.selection import forward_order, layer_indices, layer_ranges, value_name
+from . import hook_points
+from .hook_points import StandardPoint, get_act_name, is_hook_name, split_name
+from .refusals import refuse_unsupported
 from .steering import apply_steering, check_new_tokens, prepare_steering, refuse_right_padding, steering_plan
 
 
@@ -48,8 +55,13 @@ class ActivationCache:
                  unavailable: dict[tuple[str, int], ValueUnavailable], num_layers: int,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None,
                  readout: dict[str, torch.Tensor] | None = None, prompt_length: int | None = None,
-                 steered: tuple[str, ...] = ()):
+                 steered: tuple[str, ...] = (), hooks: dict[str, torch.Tensor] | None = None,
+                 hook_names: list[str] | None = None, batch_removed: bool = False):
         self._values, self._unavailable = values, unavailable
+        # a cache made with names_filter: TransformerLens's names it holds, in forward order, and the tensors of those
+        # that are no standard value (read at a native module or computed in the pass)
+        self._hooks, self.hook_names = hooks or {}, hook_names
+        self.batch_removed = batch_removed  # remove_batch_dim=True: every tensor is given without its batch dimension
         self.names, self.layers, self.num_layers = names, layers, num_layers
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.model, self._readout = model, readout or {}
@@ -71,15 +83,69 @@ class ActivationCache:
                                                                     self.prompt_length + step)
 
     def __getitem__(self, key) -> torch.Tensor:
-        name, layer = (key if isinstance(key, tuple) and len(key) == 2 else (key, None))
+        name, layer, layer_type = key if isinstance(key, tuple) and len(key) == 3 else (
+            *(key if isinstance(key, tuple) and len(key) == 2 else (key, None)), None)
         if not isinstance(name, str):
             raise TypeError(f"Index a cache with a value name, or (name, layer): cache['layer_output', 5], not {key!r}.")
+        layer = _as_layer(layer)
+        if layer_type is not None or not _is_standard(name):  # TransformerLens's names: cache["resid_post", 5]
+            if isinstance(layer, int) and not isinstance(layer, bool) and -self.num_layers <= layer < 0:
+                layer %= self.num_layers  # cache["resid_post", -1]: the last block's
+            full = get_act_name(name, layer, layer_type) if layer is not None or layer_type else get_act_name(name)
+            if is_hook_name(full):
+                return self._without_batch(self._hook(full), stacked=False)
+        return self._without_batch(self._standard(name, layer), stacked=layer is None and (
+            name.rpartition(".")[2] in BY_NAME or name.startswith("extra.") or name in SCALES))
+
+    def _without_batch(self, tensor: torch.Tensor, stacked: bool) -> torch.Tensor:
+        if not self.batch_removed:
+            return tensor
+        return tensor[:, 0] if stacked else tensor[0]
+
+    def _hook(self, name: str) -> torch.Tensor:
+        """The tensor of TransformerLens's hook ``name`` (``"blocks.5.hook_resid_post"``): the standard value it is,
+        one read in the pass (a cache made with ``names_filter``), or one computed from the cached values (a norm's
+        scale and normalized input, each head's result)."""
+        if name in self._hooks:
+            return self._hooks[name]
+        layer, tail = split_name(name)
+        if layer is not None:
+            layer = self._layer(layer)
+        point = hook_points.point(self.model, name)  # a name the family has no value for says why
+        if isinstance(point, StandardPoint):
+            return self._standard(point.value, layer)
+        which = tail.partition(".")[0]
+        try:
+            if tail.endswith("hook_scale"):
+                norm = analysis.frozen_norm(self, layer, mlp_input=which == "ln2")
+                return norm.scale.to(self._stream_for(which, layer).dtype)
+            if tail.endswith("hook_normalized"):
+                norm, x = analysis.frozen_norm(self, layer, mlp_input=which == "ln2"), self._stream_for(which, layer)
+                centred = x.float() - x.float().mean(-1, keepdim=True) if norm.centred else x.float()
+                return (centred / norm.scale).to(x.dtype)
+            if tail == "attn.hook_result":
+                return analysis.stacks.head_results(self, layer).movedim(0, 2).to(self["attention_premix", layer].dtype)
+        except KeyError as error:
+            raise KeyError(f"{name} is computed from values this cache does not hold ({error}): run_with_cache(..., "
+                           f"names_filter=[{name!r}]) reads it.") from None
+        raise KeyError(f"{name} is not in this cache: it is read in the pass at a module no standard value names; "
+                       f"run_with_cache(..., names_filter=[{name!r}]) reads it.")
+
+    def _stream_for(self, which: str, layer: int | None) -> torch.Tensor:
+        """The stream a norm reads: the final norm's input, or block ``layer``'s stream before its attention (ln1) or
+        MLP (ln2) norm."""
+        if which == "ln_final":
+            return self["ln_final_input"]
+        if which == "ln2" and isinstance(self.model.block_spec(layer).resolve("layer_mid"), At):
+            return self["layer_mid", layer]
+        return self["layer_input", layer]
+
+    def _standard(self, name: str, layer) -> torch.Tensor:
         if name in READOUT or name in SCALES or name.startswith("extra."):
             return self._beside(name, layer)
         if name in analysis.ROUTING:
             return self._routing(name, layer)
-        name = ALIASES.get(name, name)
-        name = value_name(name)
+        name = value_name(ALIASES.get(name, name))
         if name not in self.names and not any(key[0] == name for key in self._unavailable):
             raise KeyError(f"{name!r} was not cached: this cache holds {', '.join(self.names)}. Pass it in "
                            "run_with_cache(..., names=[...]), or names=None for every available value.")
@@ -130,6 +196,7 @@ class ActivationCache:
         return flat.view(batch, seq, *flat.shape[1:])
 
     def _layer(self, layer) -> int:
+        layer = _as_layer(layer)
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"The layer of cache[name, layer] is an int, not {layer!r}.")
         if not -self.num_layers <= layer < self.num_layers:
@@ -190,24 +257,41 @@ class ActivationCache:
 
     def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
                           pos_slice=None, batch_slice=None, has_batch_dim: bool = True, recompute_ln: bool = False,
-                          incl_bias: bool = True, labels=None):
-        """A stack through a norm frozen at its scale of the pass, its bias a row of its own (``nnterp.analysis``)."""
+                          incl_bias: bool = False, labels=None):
+        """A stack through a norm frozen at its scale of the pass, as many rows; its bias one more with ``incl_bias``
+        (``nnterp.analysis``)."""
         return analysis.apply_ln_to_stack(self, residual_stack, layer, mlp_input, pos_slice, batch_slice,
                                           has_batch_dim, recompute_ln, incl_bias, labels)
 
     def logit_attrs(self, residual_stack: torch.Tensor, tokens, incorrect_tokens=None, pos_slice=None,
-                    batch_slice=None, has_batch_dim: bool = True, incl_bias: bool = True, labels=None,
+                    batch_slice=None, has_batch_dim: bool = True, incl_bias: bool = False, labels=None,
                     before_logits_transform: bool = False):
-        """Direct logit attribution of a stack's rows, summing to the logit with the biases (``nnterp.analysis``)."""
+        """Direct logit attribution, one value per row; the biases' term as rows of its own with ``incl_bias``
+        (``nnterp.analysis``)."""
         return analysis.logit_attrs(self, residual_stack, tokens, incorrect_tokens, pos_slice, batch_slice,
                                     has_batch_dim, incl_bias, labels, before_logits_transform)
 
-    def keys(self) -> list[tuple[str, int]]:
-        """The ``(name, layer)`` pairs that hold a value, by layer, then in the catalog's order."""
+    def keys(self) -> list:
+        """The ``(name, layer)`` pairs that hold a value, by layer, then in the catalog's order; for a cache made
+        with ``names_filter``, TransformerLens's names it holds, in forward order."""
+        if self.hook_names is not None:
+            return list(self.hook_names)
         return [(name, layer) for layer in self.layers for name in self.names if (name, layer) in self._values]
 
     def __contains__(self, key) -> bool:
-        return key in self._values
+        """Whether ``cache[key]`` gives a tensor: a ``(name, layer)`` pair or TransformerLens's name it holds."""
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and _is_standard(key[0]):
+            try:
+                return (value_name(key[0]), self._layer(key[1])) in self._values
+            except (ValueError, TypeError, IndexError, KeyError):
+                return False
+        if self.hook_names is not None and isinstance(key, str):
+            return key in self.hook_names
+        try:
+            self[key]
+        except (KeyError, ValueError, TypeError, IndexError, AttributeError, NNterpError):
+            return False
+        return True
 
     def __iter__(self):
         return iter(self.keys())
@@ -224,7 +308,9 @@ class ActivationCache:
 
 def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: str | Iterable[str] | None = None,
                    layers: int | Iterable[int] | None = None, remote: bool | str = False, *,
-                   max_new_tokens: int | None = None, steer=None, **generate_kwargs
+                   names_filter=None, remove_batch_dim: bool = False, stop_at_layer: int | None = None,
+                   return_type: str | None = "logits", prepend_bos: bool | None = None,
+                   padding_side: str | None = None, max_new_tokens: int | None = None, steer=None, **generate_kwargs
                    ) -> tuple[torch.Tensor, ActivationCache]:
     """One forward pass: ``(logits, cache)`` with the standard values ``names`` of blocks ``layers``.
 
@@ -246,7 +332,47 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     ``steer``: steering vectors added in the same pass, a dict of ``steered_generate``'s steering arguments
     (``{"layers": 5, "vector": v, "factor": 4.0, "scope": "generated"}``) or a list of them. A steered value is
     cached as steered (what the rest of the model reads); a value read before it, as it was.
+
+    TransformerLens's arguments: ``names_filter`` (a hook name, a list of them, or a predicate over hook names:
+    ``lambda name: name.endswith("hook_z")``) caches those hook points instead, under their names
+    (``cache["blocks.0.attn.hook_z"]``, ``cache["z", 0]``; ``cache.keys()`` lists them), with ``names`` standard
+    values beside them if given; the attention values are turned on for the call where a name needs them.
+    ``stop_at_layer=k`` caches only what comes before block ``k`` and returns the stream entering it instead of
+    the logits (the pass still runs to its end). ``return_type``: ``"logits"``, ``"loss"`` (the mean next-token
+    loss over the real tokens), ``"both"`` (``(logits, loss)``) or None. ``remove_batch_dim=True``: one prompt, every
+    tensor given without its batch dimension. ``prepend_bos``: strings tokenized with (True) or without (False) a
+    BOS token first (``model.to_tokens``); None, as the model's tokenizer does (``model.cfg.default_prepend_bos``);
+    ``padding_side`` pads a batch of strings on that side (None: the tokenizer's).
+    Hooks of ``with model.hooks(...)`` apply to the pass, and the cache holds the values they leave.
     """
+    refuse_unsupported(model, "run_with_cache")
+    _refuse_foreign_arguments(generate_kwargs, max_new_tokens is not None)
+    if return_type not in RETURN_TYPES:
+        raise ValueError(f"return_type is one of {', '.join(map(repr, RETURN_TYPES))}, not {return_type!r}.")
+    context_hooks = list(getattr(model, "_nnterp_context_hooks", ()))
+    hooked = (names_filter is not None or stop_at_layer is not None or context_hooks
+              or (getattr(model, "_nnterp_hook_cache", False) and max_new_tokens is None))
+    if max_new_tokens is not None and (hooked or return_type != "logits" or remove_batch_dim):
+        raise TypeError("run_with_cache(..., max_new_tokens=N) generates: names_filter, stop_at_layer, return_type, "
+                        "remove_batch_dim and the hooks of model.hooks(...) apply to a forward pass only.")
+    if hooked:
+        if remote or steer is not None:
+            raise TypeError("names_filter, stop_at_layer and model.hooks(...) run the pass here, with TransformerLens's "
+                            "hook points: leave out remote= and steer= (or cache standard values with names=).")
+        return _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop_at_layer, return_type,
+                           prepend_bos, padding_side, remove_batch_dim)
+    logits, cache = _run_with_cache(model, prompts, names, layers, remote, max_new_tokens=max_new_tokens, steer=steer,
+                                    prepend_bos=prepend_bos, padding_side=padding_side, **generate_kwargs)
+    if remove_batch_dim:
+        _one_prompt(cache.input_ids)
+        cache.batch_removed = True
+    if max_new_tokens is not None:
+        return logits, cache
+    return _returned(model, logits, cache.input_ids, cache.attention_mask, return_type, remove_batch_dim), cache
+
+
+def _run_with_cache(model, prompts, names, layers, remote, *, max_new_tokens, steer, prepend_bos, padding_side,
+                    **generate_kwargs):
     explicit = names is not None
     names = list(BY_NAME) if names is None else [value_name(n) for n in ([names] if isinstance(names, str) else names)]
     names = [name for name in BY_NAME if name in names]  # the catalog's order, each once
@@ -257,7 +383,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     elif generate_kwargs:
         raise TypeError(f"run_with_cache got {', '.join(sorted(generate_kwargs))}: generation settings, and it "
                         "generates only with max_new_tokens=N.")
-    inputs = _inputs(model, prompts)
+    inputs = _inputs(model, prompts, prepend_bos, padding_side)
     if generating:
         refuse_right_padding(model, inputs, "run_with_cache(..., max_new_tokens=...)")
     steering = steering_plan(model, steer, max_new_tokens)
@@ -298,7 +424,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
                                        steered=steered)
     generate_kwargs.setdefault("do_sample", False)  # greedy: reproducible, and the RNG is left as it was
     generate_kwargs["min_new_tokens"] = max_new_tokens  # every step is reached
-    with torch.no_grad(), model.generate(inputs, max_new_tokens=max_new_tokens, remote=remote,
+    with torch.no_grad(), TransformersModel.generate(model, inputs, max_new_tokens=max_new_tokens, remote=remote,
                                          **generate_kwargs) as tracer:
         steps = nnsight.save([])
         for step in tracer.iter[0:max_new_tokens]:
@@ -397,9 +523,187 @@ def _final_norm(model) -> dict[str, torch.Tensor]:
         mediator.iteration = pinned
 
 
-def _inputs(model, prompts) -> BatchEncoding:
-    """The batch a trace runs on: strings tokenized as the model's traces tokenize them, or ids as given (a tensor,
-    or a tokenizer's output: a mapping with ``input_ids`` and, for a padded batch, ``attention_mask``)."""
+RETURN_TYPES = ("logits", "loss", "both", None)
+# TransformerLens's arguments nnterp has no use for, each with what to do instead
+FOREIGN_ARGUMENTS = {
+    "device": "nnterp runs where the model's weights are and caches there: move a tensor with cache[name].to(device), "
+              "or the model itself",
+    "return_cache_object": "nnterp always returns its ActivationCache (cache[name] gives each tensor)",
+    "incl_bwd": "run_with_cache runs without gradients: save values in a model.trace and call .backward() there",
+    "pos_slice": "slice the cached tensors (cache['resid_post', 5][:, pos])",
+    "fwd_hooks": "run_with_hooks(input, fwd_hooks=[...]) runs hooks; with model.hooks(fwd_hooks=[...]): run_with_cache "
+                 "applies them",
+    "bwd_hooks": "nnterp runs no backward hooks: save values in a model.trace and call .backward() there",
+    "start_at_layer": "nnterp runs the model from its tokens: edit the stream in a trace "
+                      "(model.layers[k].layer_input = x) to start from a stream of your own",
+    "attention_mask": "pass the tokenizer's output (a mapping with input_ids and attention_mask) as the input",
+    "loss_per_token": "run_with_cache returns the mean loss: model.loss_per_token(input) gives it per token",
+}
+
+
+def _refuse_foreign_arguments(arguments: dict, generating: bool, what: str = "run_with_cache",
+                              accepted: str | None = None) -> None:
+    for name in arguments:
+        if name in FOREIGN_ARGUMENTS:
+            raise TypeError(f"{what} got {name}=, a TransformerLens argument nnterp does not take: "
+                            f"{FOREIGN_ARGUMENTS[name]}.")
+    if arguments and accepted:
+        raise TypeError(f"{what} got {', '.join(sorted(arguments))}: its arguments are {accepted}.")
+    if arguments and not generating:
+        raise TypeError(f"{what} got {', '.join(sorted(arguments))}: generation settings, and it generates only with "
+                        "max_new_tokens=N. Its arguments are names, layers, remote, names_filter, remove_batch_dim, "
+                        "stop_at_layer, return_type, prepend_bos, padding_side, max_new_tokens and steer.")
+
+
+def _one_prompt(ids: torch.Tensor) -> None:
+    if ids.shape[0] != 1:
+        raise ValueError(f"remove_batch_dim=True takes one prompt, not a batch of {ids.shape[0]}.")
+
+
+def _returned(model, logits, ids, mask, return_type, remove_batch_dim: bool = False):
+    """What the pass returns for ``return_type``: the logits, the mean next-token loss over the real tokens, both
+    (a ``(logits, loss)`` pair), or None."""
+    if return_type is None:
+        return None
+    if return_type != "logits":
+        loss = lm_loss(logits, ids, mask)
+    logits = logits[0] if remove_batch_dim else logits
+    return {"logits": lambda: logits, "loss": lambda: loss, "both": lambda: (logits, loss)}[return_type]()
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None,
+            per_token: bool = False) -> torch.Tensor:
+    """The next-token cross-entropy: ``[batch, seq - 1]`` per token (0 where the token or the one it predicts is a
+    pad), or its mean over the real predictions."""
+    log_probs = logits.float().log_softmax(-1)[:, :-1]
+    ids = ids.to(logits.device)
+    losses = -log_probs.gather(-1, ids[:, 1:, None])[..., 0]
+    if mask is not None:
+        real = (mask[:, :-1].bool() & mask[:, 1:].bool()).to(logits.device)
+        losses = losses.masked_fill(~real, 0.0)
+        count = real.sum()
+    else:
+        count = torch.tensor(losses.numel())
+    return losses if per_token else losses.sum() / count
+
+
+def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop_at_layer, return_type, prepend_bos,
+                padding_side, remove_batch_dim):
+    """The pass with TransformerLens's hook points: those ``names_filter`` chooses (and ``names``'s standard values),
+    cached under their names; the hooks of ``model.hooks(...)`` called on theirs."""
+    stop = None
+    if stop_at_layer is not None:
+        if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
+                -model.num_layers <= stop_at_layer <= model.num_layers):
+            raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
+                             f"not {stop_at_layer!r}.")
+        stop = stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
+    every = names_filter is None and names is None  # every standard value (and on a HookedTransformer every hook)
+    hook_cache = getattr(model, "_nnterp_hook_cache", False)
+    if every:
+        names = list(BY_NAME)
+        if hook_cache:
+            names_filter = lambda name: True  # noqa: E731 - TransformerLens's default: every hook point
+    chosen = [] if names_filter is None else hook_points.points(model, names_filter, None if layers is None else
+                                                                  layer_indices(model, layers))
+    # the attention internals: with every value, where they are on (on a HookedTransformer, on for the call)
+    standard = _standard_points(model, names, layers, explicit=not every, internals=hook_cache or not every)
+    if stop is not None:
+        chosen = [point for point in chosen if point.layer is not None and point.layer < stop or (
+            point.layer is None and point.name in ("hook_embed", "hook_pos_embed"))]
+        standard = [point for point in standard if point.layer < stop]
+    plan = hook_points.Plan()
+    for point in [*chosen, *standard]:
+        plan.add(point, keep=True)
+    for point, fn in hook_points.hooked_points(model, context_hooks):
+        plan.add(point, fn)
+    residual = None
+    if stop is not None:  # the stream entering block `stop` (the last block's output after them)
+        residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
+                    else _standard_point(model, "layer_output", model.num_layers - 1))
+        plan.add(residual)
+    inputs = _inputs(model, prompts, prepend_bos, padding_side)
+    if remove_batch_dim:
+        _one_prompt(inputs["input_ids"])
+    if model.family.ln_final is not None and stop is None:  # what the analyses read: the final norm's input and output
+        plan.add(_ReadoutPoint(model), keep=True)
+    with hook_points.attention_for(model, plan.needs_attention), torch.no_grad(), model.trace(inputs):
+        kept = nnsight.save(plan.run(model))
+        if residual is not None:
+            stream = nnsight.save(residual.read(model).detach())
+        elif return_type is not None:
+            logits = nnsight.save(model.logits.detach())
+    readout = kept.pop(_ReadoutPoint.name, {})
+    held = [point for point in plan.ordered() if point.name in kept]
+    values = {(point.value, point.layer): kept[point.name] for point in held if isinstance(point, StandardPoint)}
+    hooks = {point.name: kept[point.name] for point in held if not isinstance(point, StandardPoint)}
+    cached_layers = sorted({layer for _, layer in values} | {p.layer for p in held if p.layer is not None})
+    cache = ActivationCache(values, [name for name in BY_NAME if any(key[0] == name for key in values)],
+                            cached_layers or list(range(model.num_layers)), {}, model.num_layers,
+                            inputs["input_ids"], inputs["attention_mask"], model, readout, hooks=hooks,
+                            hook_names=[point.name for point in held if point in chosen],
+                            batch_removed=remove_batch_dim)
+    if residual is not None:
+        return (stream[0] if remove_batch_dim else stream), cache
+    if return_type is None:
+        return None, cache
+    return _returned(model, logits, inputs["input_ids"], inputs["attention_mask"], return_type, remove_batch_dim), cache
+
+
+class _ReadoutPoint(hook_points.Point):
+    """The final norm's input and output (``_final_norm``), read after the blocks, before the head."""
+
+    name = "_nnterp_readout"
+
+    def __init__(self, model):
+        hook_points.Point.__init__(self, self.name, None, (model._event_index(model.family.lm_head, "input",
+                                                                              "the head"), -1))
+
+    def read(self, model):
+        return _final_norm(model)
+
+
+def _standard_point(model, name: str, layer: int) -> StandardPoint:
+    return hook_points._standard(model, f"layers[{layer}].{BY_NAME[name].key}", layer, name)
+
+
+def _standard_points(model, names, layers, explicit: bool, internals: bool) -> list[StandardPoint]:
+    """``names``'s standard values at ``layers`` as points: an explicit name a block lacks raises the reason, and
+    every value (names given by the model's default) is taken where the block has it; ``internals``: the attention
+    internals too where they are off (turned on for the call)."""
+    if names is None:
+        return []
+    names = [value_name(n) for n in ([names] if isinstance(names, str) else names)]
+    chosen = []
+    for layer in forward_order(layer_indices(model, layers)):
+        for name in names:
+            try:
+                model.location(layer, name)
+            except ValueUnavailable:
+                if internals and name in OVER_CACHED_POSITIONS:  # on for the call where the family has them
+                    try:
+                        chosen.append(_standard_point(model, name, layer))
+                        continue
+                    except ValueUnavailable:
+                        pass
+                if explicit:
+                    raise
+                continue
+            chosen.append(_standard_point(model, name, layer))
+    return chosen
+
+
+def _inputs(model, prompts, prepend_bos: bool | None = None, padding_side: str | None = None) -> BatchEncoding:
+    """The batch a trace runs on: strings tokenized as the model's traces tokenize them (with or without a BOS token
+    first: ``prepend_bos``, the model's ``to_tokens``), or ids as given (a tensor, or a tokenizer's output: a mapping
+    with ``input_ids`` and, for a padded batch, ``attention_mask``)."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(p, str) for p in prompts)):
+        if (prepend_bos is not None or padding_side is not None
+                or getattr(model, "_nnterp_default_prepend_bos", None) is not None):
+            return tl_inputs(model, prompts, prepend_bos, padding_side)
+    elif padding_side is not None:
+        raise TypeError("padding_side applies to strings: these inputs are already token ids.")
     if isinstance(prompts, Mapping):
         if "input_ids" not in prompts:
             raise TypeError(f"A mapping of inputs holds 'input_ids' (and 'attention_mask'), as a tokenizer returns; "
@@ -431,5 +735,21 @@ ROUTING = analysis.ROUTING  # a plain tuple: the trace's code ships it, not the 
 ALIASES = {"pattern": "attention_probabilities", "hook_pattern": "attention_probabilities",
            "attn.hook_pattern": "attention_probabilities"}
 SCALES = ("attention_norm_scale", "mlp_norm_scale")
+
+
+def _is_standard(name: str) -> bool:
+    """Whether a cache key names a standard value or an entry beside them (else it is read as TransformerLens's)."""
+    return (name in READOUT or name in SCALES or name in ALIASES or name in ROUTING or name.startswith("extra.")
+            or name.rpartition(".")[2] in BY_NAME)
+
+
+def _as_layer(layer):
+    """A layer given as a NumPy integer or a 0-d integer tensor, as an int (anything else as it is)."""
+    if isinstance(layer, np.integer):
+        return int(layer)
+    if isinstance(layer, torch.Tensor) and layer.dim() == 0 and not layer.is_floating_point() and (
+            layer.dtype != torch.bool):
+        return int(layer)
+    return layer
 
 __all__ = ["ActivationCache", "run_with_cache"]

@@ -11,6 +11,7 @@ import torch
 from ..core.tokens import single_token, visible
 from ..spec.catalog import ADDED, STREAM
 from ..spec.selection import block_calls, calls_in_forward_order, token_index
+from .refusals import refuse_unsupported
 
 STREAM_VALUES = STREAM + ADDED  # [batch, seq, hidden] values the readout reads: the stream, or what is added to it
 
@@ -35,6 +36,7 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     through its translator, ``h + h @ weight.T + bias``, before the readout (the last block's output as it is);
     ``value`` is then ``layer_output`` or ``layer_input``, the streams it was trained on.
     """
+    refuse_unsupported(model, "logit_lens")
     name = value.rpartition(".")[2]
     if name not in STREAM_VALUES:
         raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")

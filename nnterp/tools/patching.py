@@ -1,10 +1,15 @@
 """Activation patching and attribution patching, written once for every family.
 
-Activation patching runs the corrupted prompt with one piece of a standard value (one position of it, or one
+Activation patching runs the corrupted prompts with one piece of a standard value (one position of it, or one
 head of ``attention_premix``) replaced by the clean run's, and scores each patched run with a metric; several
-patched copies of the prompt run as the rows of one batch. Attribution patching is its linear approximation:
+patched copies of the prompts run as the rows of one batch. Attribution patching is its linear approximation:
 the metric's gradient at the corrupted run times the clean run's value minus the corrupted run's, from one
-forward pass with gradients and one backward pass over the corrupted prompt, and one forward over the clean one.
+forward pass with gradients and one backward pass over the corrupted prompts, and one forward over the clean ones.
+
+The prompts are one pair of strings, or a batch of pairs as TransformerLens's users write them: ``[batch, seq]``
+token tensors, or lists of strings of one token length. A patch applies to every pair of the batch at once, and
+the metric scores one patched run: it gets that run's logits ``[batch, seq, vocab]`` and returns one number (a
+mean over the batch, as in TransformerLens's demos; a per-row metric such as ``logit_difference`` on one pair).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..spec.selection import forward_order, layer_indices, value_name
+from .refusals import refuse_unsupported
 
 PER_VALUE = {"position": None, "head": "attention_premix", "neuron": "mlp_neurons"}
 
@@ -33,12 +39,52 @@ def _value_for(per: str, value: str | None, kinds: Sequence[str]) -> str:
     return own
 
 
-def _prompt_ids(model, clean: str, corrupted: str, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    clean_ids, corrupted_ids = (model.tokenizer(p, return_tensors="pt").input_ids for p in (clean, corrupted))
-    if clean_ids.shape != corrupted_ids.shape:
-        raise ValueError(f"{what} needs prompts of one length: the clean prompt has {clean_ids.shape[1]} tokens, "
-                         f"the corrupted one {corrupted_ids.shape[1]}.")
+NEEDS = ("a string, a list of strings of one token length, or a [batch, seq] tensor of token ids (a [seq] one is "
+         "one prompt)")
+
+
+def _token_rows(model, prompts, side: str, what: str) -> torch.Tensor:
+    """``[batch, seq]`` token ids of ``prompts`` (a string, strings of one token length, or ids), unpadded."""
+    if isinstance(prompts, str):
+        return model.tokenizer(prompts, return_tensors="pt").input_ids
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+            raise ValueError(f"{what}: the {side} prompts are a {prompts.dtype} tensor of shape "
+                             f"{list(prompts.shape)}; they must be {NEEDS}.")
+        return (prompts[None] if prompts.dim() == 1 else prompts).long()
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts):
+        rows = [model.tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
+        lengths = [len(row) for row in rows]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"{what} patches a position of every prompt at once, so the {side} prompts must have "
+                             f"one token length, a [batch, seq] batch without padding; they have {lengths} tokens.")
+        return torch.stack(rows)
+    raise ValueError(f"{what}: the {side} prompts must be {NEEDS}, not {type(prompts).__name__}.")
+
+
+def _prompt_ids(model, clean, corrupted, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean and corrupted prompts as ``[batch, seq]`` token ids of one shape."""
+    clean_ids, corrupted_ids = (_token_rows(model, p, side, what) for p, side in ((clean, "clean"),
+                                                                                  (corrupted, "corrupted")))
+    if clean_ids.shape[1] != corrupted_ids.shape[1]:
+        raise ValueError(f"{what} needs prompts of one length: the clean prompts have {clean_ids.shape[1]} tokens, "
+                         f"the corrupted ones {corrupted_ids.shape[1]} ([batch, seq] {list(clean_ids.shape)} and "
+                         f"{list(corrupted_ids.shape)}).")
+    if clean_ids.shape[0] != corrupted_ids.shape[0]:
+        raise ValueError(f"{what} pairs each clean prompt with a corrupted one: [batch, seq] tensors of one shape, "
+                         f"not {list(clean_ids.shape)} and {list(corrupted_ids.shape)}.")
     return clean_ids, corrupted_ids
+
+
+def _one_number(score, batch: int, what: str, run: str = "one patched run's") -> torch.Tensor:
+    """A metric's score of one run of the batch, as a float32 0-d tensor, or a clear error naming the shape."""
+    score = torch.as_tensor(score)
+    if score.numel() != 1:
+        rows = "one prompt pair's" if batch == 1 else f"the {batch} prompt pairs'"
+        raise ValueError(f"{what}: the metric gets {run} logits, [{batch}, seq, vocab] for {rows} rows, "
+                         f"and must return one number; it gave shape {list(score.shape)}. Reduce over the batch "
+                         "(e.g. .mean() of each pair's logit difference), as TransformerLens's metrics do.")
+    return score.detach().float().cpu().reshape(())
 
 
 def _heads(sources: dict[int, torch.Tensor]) -> int:
@@ -49,29 +95,39 @@ def _heads(sources: dict[int, torch.Tensor]) -> int:
     return counts.pop()
 
 
-def activation_patching(model, clean: str, corrupted: str, metric: Callable[[torch.Tensor], torch.Tensor],
+def activation_patching(model, clean, corrupted, metric: Callable[[torch.Tensor], torch.Tensor],
                         value: str | None = None, layers=None, positions: Sequence[int] | None = None,
                         remote: bool | str = False, progress: bool = True, *, per: str = "position",
                         batch_size: int | None = None) -> torch.Tensor:
     """Patch ``value`` (default ``layer_output``) from the clean run into the corrupted one, one piece at a time,
-    and return ``metric`` of each patched run (one score per batch row: ``logit_difference``, ``target_probability``).
+    and return ``metric`` of each patched run.
+
+    ``clean`` and ``corrupted`` are one pair of prompts (two strings) or a batch of pairs: ``[batch, seq]`` token
+    tensors of one shape, or lists of strings of one token length (no padding: a position is a token of every
+    prompt). Each patch applies to every pair at once, and ``metric`` gets that patched run's logits
+    ``[batch, seq, vocab]`` and returns one number: a mean over the batch, as TransformerLens's metrics are
+    (``lambda logits: (logits[:, -1, a] - logits[:, -1, b]).mean()``), or on one pair a per-row metric
+    (``logit_difference``, ``target_probability``).
 
     ``per="position"``: one (layer, position) at a time, ``[layers, positions]``. ``per="head"``: one head of
     ``attention_premix`` (the heads' outputs before the output projection) at a time, at every position at once
-    (``[layers, heads]``) or at each of ``positions`` (``[layers, positions, heads]``). The two prompts must
-    tokenize to the same length.
+    (``[layers, heads]``) or at each of ``positions`` (``[layers, positions, heads]``).
 
-    Each patched run is a row of a batch of copies of the corrupted prompt. ``batch_size`` rows per forward pass,
-    their patches taken in order across layers; ``None``: one pass per layer, a row for each of its patches.
-    Every row is the same forward pass as a run of its own, so the numbers agree up to the last bits of the
-    dtype: a CPU's matrix products can round differently with the number of rows (another kernel for fewer than
-    about 16 token rows, another split over threads), as can multi-query attention (GPT-BigCode) at one row.
+    Each patched run is ``batch`` rows of a batch of copies of the corrupted prompts. ``batch_size`` patched runs
+    per forward pass, their patches taken in order across layers; ``None``: one pass per layer, a run for each of
+    its patches. Every run is the same forward pass as a run of its own, so the numbers agree up to the last bits
+    of the dtype: a CPU's matrix products can round differently with the number of rows (another kernel for
+    fewer than about 16 token rows, another split over threads), as can multi-query attention (GPT-BigCode) at
+    one row.
     """
+    refuse_unsupported(model, "activation_patching")
     name = _value_for(per, value, ("position", "head"))
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size is a number of rows per forward pass (1 or more) or None, not {batch_size!r}.")
+        raise ValueError(f"batch_size is a number of patched runs per forward pass (1 or more) or None, not "
+                         f"{batch_size!r}.")
     layers = layer_indices(model, layers)
     clean_ids, corrupted_ids = _prompt_ids(model, clean, corrupted, "Activation patching")
+    pairs = clean_ids.shape[0]
     every_position = positions is None
     positions = list(range(clean_ids.shape[1])) if every_position else list(positions)
     with torch.no_grad(), model.trace(clean_ids, remote=remote) as tracer:
@@ -94,37 +150,37 @@ def activation_patching(model, clean: str, corrupted: str, metric: Callable[[tor
     effects = torch.empty(len(patches))
     for cells in tqdm(passes, desc="patching", unit="pass", disable=not progress or len(passes) < 2):
         edits: dict[int, list[tuple[int, tuple]]] = {}
-        for row, cell in enumerate(cells):
+        for run, cell in enumerate(cells):
             layer, index = patches[cell]
-            edits.setdefault(layer, []).append((row, index))
+            edits.setdefault(layer, []).append((slice(run * pairs, (run + 1) * pairs), index))
         with torch.no_grad(), model.trace(corrupted_ids.repeat(len(cells), 1), remote=remote):
             for layer in forward_order(list(edits)):
                 target, source = model.read_value(layer, name), sources[layer]
-                for row, index in edits[layer]:
-                    target[(row, *index)] = source[(0, *index)]
-            scores = nnsight.save(metric(model.logits))
-        if scores.dim() != 1 or scores.shape[0] != len(cells):
-            raise ValueError(f"The metric must give one score per batch row, a [{len(cells)}] tensor for this pass's "
-                             f"{len(cells)} patched runs; it gave shape {tuple(scores.shape)}. Score each row on its "
-                             f"own (logit_difference, target_probability), without reducing over the batch.")
-        effects[cells.start:cells.stop] = scores.float().cpu()
+                for rows, index in edits[layer]:
+                    target[(rows, *index)] = source[(slice(None), *index)]
+            logits = model.logits
+            scores = nnsight.save([metric(logits[run * pairs:(run + 1) * pairs]) for run in range(len(cells))])
+        for cell, score in zip(cells, scores):
+            effects[cell] = _one_number(score, pairs, "activation_patching")
     return effects.view(shape)
 
 
-def attribution_patching(model, clean: str, corrupted: str, metric: Callable[[torch.Tensor], torch.Tensor],
+def attribution_patching(model, clean, corrupted, metric: Callable[[torch.Tensor], torch.Tensor],
                          value: str | None = None, per: str = "position", layers=None,
                          remote: bool | str = False) -> torch.Tensor:
-    """The linear approximation of ``activation_patching``: the gradient of ``metric`` (summed over the batch) at
-    the corrupted run times the clean run's value minus the corrupted run's, ``[layers, positions]`` summed over
+    """The linear approximation of ``activation_patching``: the gradient of ``metric`` at the corrupted run times
+    the clean run's value minus the corrupted run's, summed over the batch of prompt pairs (the prompts and the
+    metric as ``activation_patching`` takes them: one number for the batch), ``[layers, positions]`` summed over
     the value's other dimensions (``per="position"``, ``value`` default ``layer_output``), per head of
     ``attention_premix`` ``[layers, positions, heads]`` (``per="head"``) or per neuron of ``mlp_neurons``
     ``[layers, positions, neurons]`` (``per="neuron"``). Sum over positions (``.sum(1)``) to approximate
     patching a head at every position at once, as ``activation_patching(..., per="head")`` does.
 
-    One forward pass over the clean prompt; one forward with gradients and one backward over the corrupted
-    prompt, which computes the gradients of the values only (the weights' are neither computed nor kept).
+    One forward pass over the clean prompts; one forward with gradients and one backward over the corrupted
+    prompts, which computes the gradients of the values only (the weights' are neither computed nor kept).
     The products are computed in float32.
     """
+    refuse_unsupported(model, "attribution_patching")
     name = _value_for(per, value, tuple(PER_VALUE))
     layers = layer_indices(model, layers)
     clean_ids, corrupted_ids = _prompt_ids(model, clean, corrupted, "Attribution patching")
@@ -134,7 +190,10 @@ def attribution_patching(model, clean: str, corrupted: str, metric: Callable[[to
         tracer.stop()
     with torch.enable_grad(), model.trace(corrupted_ids, remote=remote):
         values = [model.read_value(layer, name) for layer in order]
-        score = metric(model.logits).sum()
+        score = metric(model.logits)
+        if torch.as_tensor(score).numel() != 1:  # before the backward: nothing to differentiate otherwise
+            _one_number(score, corrupted_ids.shape[0], "attribution_patching", "the corrupted run's")
+        score = score.sum()
         grads = nnsight.save({})
         with score.backward(inputs=values):  # the values' gradients only, not the weights'
             for layer, read in reversed(list(zip(order, values))):  # backward computes them last layer first
@@ -143,6 +202,6 @@ def attribution_patching(model, clean: str, corrupted: str, metric: Callable[[to
     rows = []
     for layer in layers:
         product = (sources[layer].float().cpu() - targets[layer].float().cpu()) * grads[layer].float().cpu()
-        product = product[0]  # [seq, ...]: the prompt's one row
+        product = product.sum(0)  # [seq, ...]: over the batch, as a patch applies to every pair
         rows.append(product.flatten(1).sum(-1) if per == "position" else product.sum(-1) if per == "head" else product)
     return torch.stack(rows)

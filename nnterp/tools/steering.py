@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import nnsight
 import torch
+from nnsight.modeling.transformers import TransformersModel  # its generate: nnsight's tracer on any subclass
 
 from ..core import edits
 from ..core.edits import Positions
@@ -18,6 +19,7 @@ from ..core.readout import pass_attention_mask
 from ..spec.catalog import BY_NAME
 from ..spec.fingerprint import tensor_digest
 from ..spec.selection import forward_order, layer_indices, token_index, value_name
+from .refusals import refuse_unsupported
 
 
 def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", factor: float = 1.0,
@@ -100,6 +102,7 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
     The arguments after ``prompts`` are ``add_to``'s: ``layers``, ``vector``, then by name
     ``value``, ``factor``, ``positions``, ``batch``. Returns the token ids, prompt included.
     """
+    refuse_unsupported(model, "steered_generate")
     if isinstance(layers, torch.Tensor) and layers.is_floating_point() and not isinstance(vector, torch.Tensor):
         raise TypeError("steered_generate(model, prompts, layers, vector, ...): the layers come before the vector, "
                         "as in add_to(model, layers, vector); the call passed the vector first.")
@@ -109,7 +112,7 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
     refuse_right_padding(model, prompts, "steered_generate")
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs["min_new_tokens"] = max_new_tokens
-    with torch.no_grad(), model.generate(prompts, max_new_tokens=max_new_tokens, remote=remote,
+    with torch.no_grad(), TransformersModel.generate(model, prompts, max_new_tokens=max_new_tokens, remote=remote,
                                          **generate_kwargs) as tracer:
         for step in tracer.iter[0:max_new_tokens]:
             for (layer, name), steerings in plan.items():  # in forward order

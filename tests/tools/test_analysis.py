@@ -126,28 +126,55 @@ def test_decomposition_is_the_hooked_contributions_and_adds_up_to_the_stream(cas
 def test_frozen_norms_and_logit_attributions_sum_to_what_the_model_computed(case, dtype):
     r = run(case, dtype)
     stack = r.cache.decompose_resid()
-    # through the final norm frozen at its scale of the pass (its bias a row of its own): what the head reads
-    normed, labels = r.cache.apply_ln_to_stack(stack, labels=[str(k) for k in range(len(stack))])
-    has_bias = getattr(r.model.ln_final._module, "bias", None) is not None
+    ln_final = r.model.ln_final._module
+    norm_bias = getattr(ln_final, "bias", None)
+    norm_bias = 0 if norm_bias is None else norm_bias.detach().float()
+    # through the final norm frozen at its scale of the pass, as many rows (TransformerLens's shape): what the head
+    # reads less the norm's bias; with incl_bias, the bias is a row of its own
+    normed = r.cache.apply_ln_to_stack(stack)
+    assert normed.shape == stack.shape
+    torch.testing.assert_close(normed.sum(0) + norm_bias, r.head["input"].float(), **close(dtype))
+    normed, labels = r.cache.apply_ln_to_stack(stack, labels=[str(k) for k in range(len(stack))], incl_bias=True)
+    has_bias = getattr(ln_final, "bias", None) is not None
     assert len(normed) == len(stack) + has_bias and labels[-1] == ("ln_final_bias" if has_bias else str(len(stack) - 1))
     torch.testing.assert_close(normed.sum(0), r.head["input"].float(), **close(dtype))
-    # direct logit attribution, the biases included, sums to the plain forward's logits of the next tokens
+    # direct logit attribution sums to the plain forward's logits of the next tokens: with the biases' rows, or,
+    # one value per row, plus the biases' term the docstring names (the norm's bias on the head's row, the head's
+    # bias), both read off the unwrapped modules (times the logits' scale, Cohere's, fitted to the hooked logits)
+    head = r.hf.get_output_embeddings()
+    raw = r.head["output"].float()  # the head's output, before a scale of the logits
+    scale = ((r.logits.float() * raw).sum() / (raw * raw).sum()).item()
     following = IDS.roll(-1, dims=1)
-    attributions = r.cache.logit_attrs(stack, following)
     logits = r.logits.float()
-    torch.testing.assert_close(attributions.sum(0), logits.gather(-1, following[..., None])[..., 0], **close(dtype))
+    expected = logits.gather(-1, following[..., None])[..., 0]
+    attributions = r.cache.logit_attrs(stack, following, incl_bias=True)
+    torch.testing.assert_close(attributions.sum(0), expected, **close(dtype))
+    attributions = r.cache.logit_attrs(stack, following)
+    assert attributions.shape == stack.shape[:-1]
+    term = head.weight.detach().float()[following] @ (norm_bias if torch.is_tensor(norm_bias) else
+                                                      torch.zeros(head.weight.shape[1]))
+    term = term + (0 if head.bias is None else head.bias.detach().float()[following])
+    torch.testing.assert_close(attributions.sum(0) + term * scale, expected, **close(dtype))
+    torch.testing.assert_close(r.cache.logit_attrs(stack[:0], following, incl_bias=True).sum(0), term * scale,
+                               **close(dtype))
     # a logit difference at the last position, as TransformerLens's users write it
     correct, wrong = IDS[:, 0], IDS[:, 1]
-    difference = r.cache.logit_attrs(stack[:, :, -1], correct, incorrect_tokens=wrong, pos_slice=-1)
+    difference = r.cache.logit_attrs(stack[:, :, -1], correct, incorrect_tokens=wrong, pos_slice=-1, incl_bias=True)
     rows = torch.arange(len(IDS))
     torch.testing.assert_close(difference.sum(0), logits[rows, -1, correct] - logits[rows, -1, wrong], **close(dtype))
-    # a block's norms, frozen, on the decomposition of the stream each reads
+    # a block's norms, frozen, on the decomposition of the stream each reads: as many rows, the bias left out
     for layer in (1, r.n - 1):
+        block = r.hf.base_model_blocks[layer]
         part = r.cache.decompose_resid(layer=layer, apply_ln=True)
-        torch.testing.assert_close(part.sum(0), hooked(r, layer, "attention_norm_output").float(), **close(dtype))
+        assert len(part) == len(r.cache.decompose_resid(layer=layer))
+        bias = getattr(block.get_submodule(r.truth(layer)["attention_norm_output"][0]), "bias", None)
+        torch.testing.assert_close(part.sum(0) + (0 if bias is None else bias.float()),
+                                   hooked(r, layer, "attention_norm_output").float(), **close(dtype))
         if r.truth(layer)["layer_mid"] is not None:
             part = r.cache.decompose_resid(layer=layer, mlp_input=True, apply_ln=True)
-            torch.testing.assert_close(part.sum(0), hooked(r, layer, "mlp_norm_output").float(), **close(dtype))
+            bias = getattr(block.get_submodule(r.truth(layer)["mlp_norm_output"][0]), "bias", None)
+            part = part.sum(0) + (0 if bias is None else bias.float())
+            torch.testing.assert_close(part, hooked(r, layer, "mlp_norm_output").float(), **close(dtype))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in NO_HEADS])

@@ -107,7 +107,8 @@ def test_cache_indexing_errors_say_what_is_there():
     with pytest.raises(KeyError, match="was not cached"):
         cache["mlp_output", 1]
     with pytest.raises(ValueError, match="Unknown standard value"):
-        cache["resid_post", 1]
+        cache["resid_postt", 1]
+    assert torch.equal(cache["resid_post", 1], cache["layer_output", 1])  # TransformerLens's name of it
     with pytest.raises(IndexError, match="out of range"):
         cache["layer_output", 7]
     with pytest.raises(TypeError):

@@ -1,7 +1,7 @@
 """Per-head, batched and attribution patching, against plain PyTorch hooks on the unwrapped HF model.
 
 Ground truth: the clean run's tensor captured by a hook at the value's module boundary, then one plain forward of
-the corrupted prompt per patch with a hook that replaces that piece (a position of the value; a head's slice of
+the corrupted prompt (or batch of prompts) per patch with a hook that replaces that piece (a position of the value; a head's slice of
 the output projection's input); for attribution patching, the gradient of the metric at the hooked corrupted
 tensors from plain ``torch.autograd.grad``, times the hooked clean minus corrupted tensors. Batched patching must
 give the hooks' numbers bit for bit: a pass of one patched run those of a hooked run of the prompt alone, a batched
@@ -162,8 +162,12 @@ def test_refusals(case):
         activation_patching(model, CLEAN, CORRUPTED, METRIC, per="neuron")
     with pytest.raises(ValueError, match="batch_size"):
         activation_patching(model, CLEAN, CORRUPTED, METRIC, batch_size=0)
-    with pytest.raises(ValueError, match="one score per batch row"):  # a mean over the batch would mix the rows
-        activation_patching(model, CLEAN, CORRUPTED, lambda logits: METRIC(logits).mean(), progress=False)
+    # a metric of the whole patched run, as TransformerLens's users write it, is one score of the one pair
+    assert torch.equal(activation_patching(model, CLEAN, CORRUPTED, lambda logits: METRIC(logits).mean(),
+                                           progress=False, layers=[1]),
+                       activation_patching(model, CLEAN, CORRUPTED, METRIC, progress=False, layers=[1]))
+    with pytest.raises(ValueError, match=r"must return one number; it gave shape \[6\]"):
+        activation_patching(model, CLEAN, CORRUPTED, lambda logits: logits[0, :, 5], progress=False)
     with pytest.raises(ValueError, match="one length"):
         attribution_patching(model, CLEAN, "the dog", METRIC)
     with pytest.raises(ValueError, match="per='neuron' patches mlp_neurons"):
@@ -180,3 +184,126 @@ def test_patching_runs_remotely_bit_exactly(remote_case, checkpoints, requests):
         assert_same(attribution_patching(model, CLEAN, CORRUPTED, METRIC, per=per),
                     attribution_patching(model, CLEAN, CORRUPTED, METRIC, per=per, remote=True))
     assert requests
+
+
+# An IOI-like batch of 8 prompt pairs, as TransformerLens's users write it: [batch, seq] token tensors, the corrupted
+# prompts with another name in each, each pair's answer and wrong answer, and a metric of the whole batch
+PAIRS, LENGTH = 8, 7
+
+
+def ioi_batch(vocab_size: int):
+    generator = torch.Generator().manual_seed(3)
+    clean = torch.randint(3, vocab_size, (PAIRS, LENGTH), generator=generator)
+    corrupted = clean.clone()
+    corrupted[:, 2] = torch.randint(3, vocab_size, (PAIRS,), generator=generator)
+    answers, wrong = clean[:, 2], corrupted[:, 2]
+    rows = torch.arange(PAIRS)
+
+    def metric(logits):  # the mean logit difference over the batch: one number
+        return (logits[rows, -1, answers] - logits[rows, -1, wrong]).mean()
+    return clean, corrupted, metric
+
+
+def block_forward(hf_model, input_ids, layer=None, edit=None, grad=False):
+    """The HF model's logits, with a plain forward hook editing block ``layer``'s output (``layer_output``)."""
+    handles = []
+    if edit is not None:
+        def hook(module, args, output):
+            return (edit(output[0]), *output[1:]) if isinstance(output, tuple) else edit(output)
+        handles.append(hf_model.base_model_blocks[layer].register_forward_hook(hook))
+    try:
+        with torch.set_grad_enabled(grad):
+            return hf_model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def block_outputs(hf_model, input_ids, grad=False):
+    """``({layer: block output}, logits)`` of one plain forward, each block's output caught by a forward hook."""
+    seen, handles = {}, []
+    for layer, block in enumerate(hf_model.base_model_blocks):
+        def hook(module, args, output, layer=layer):
+            tensor = output[0] if isinstance(output, tuple) else output
+            seen[layer] = tensor if grad else tensor.detach().clone()
+        handles.append(block.register_forward_hook(hook))
+    try:
+        with torch.set_grad_enabled(grad):
+            logits = hf_model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, logits
+
+
+def test_a_batch_of_prompt_pairs_patches_every_pair_at_once_as_hooks_do(case):
+    _, model, hf_model, _ = case
+    clean, corrupted, metric = ioi_batch(hf_model.config.vocab_size)
+    sources, _ = block_outputs(hf_model, clean)
+
+    def hooked(layer, position):
+        def patch(t):
+            t = t.clone()
+            t[:, position] = sources[layer][:, position]
+            return t
+        return metric(block_forward(hf_model, corrupted, layer, patch)).item()
+
+    expected = torch.tensor([[hooked(layer, p) for p in range(LENGTH)] for layer in range(model.num_layers)])
+    one_by_one = activation_patching(model, clean, corrupted, metric, batch_size=1, progress=False)
+    assert one_by_one.shape == (model.num_layers, LENGTH)
+    assert torch.equal(one_by_one, expected)  # each pass the hooked batch of 8 rows itself
+    for batch_size in (None, 5):  # several patched runs of 8 rows in a pass: rounding of other row counts
+        torch.testing.assert_close(activation_patching(model, clean, corrupted, metric, batch_size=batch_size,
+                                                       progress=False), expected, rtol=1e-5, atol=1e-5)
+    # the unpatched batches bound it: patching the last block's last position restores the clean metric
+    clean_score = metric(block_forward(hf_model, clean)).item()
+    assert expected[-1, -1].item() == pytest.approx(clean_score, rel=1e-5, abs=1e-5)
+    # attribution patching over the same batch: the gradient of the batch's metric, summed over the pairs
+    corrupted_values, logits = block_outputs(hf_model, corrupted, grad=True)
+    layers = list(range(model.num_layers))
+    grads = torch.autograd.grad(metric(logits), [corrupted_values[layer] for layer in layers])
+    expected = torch.stack([((sources[layer] - corrupted_values[layer].detach()) * grad).sum((0, -1))
+                            for layer, grad in zip(layers, grads)])
+    estimate = attribution_patching(model, clean, corrupted, metric)
+    assert estimate.shape == (model.num_layers, LENGTH)
+    torch.testing.assert_close(estimate, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_list_of_prompt_pairs_is_the_batch_of_their_tokens(case):
+    _, model, hf_model, _ = case
+    clean = ["the cat sat on the mat", "the dog sat on the mat", "a cat is in the city"]
+    corrupted = ["the dog sat on the mat", "the cat sat on the mat", "a dog is in the city"]
+    rows = torch.arange(len(clean))
+
+    def metric(logits):
+        return logits[rows, -1, 5].mean()
+    as_text = activation_patching(model, clean, corrupted, metric, progress=False)
+    clean_ids = torch.stack([ids(model, text)[0] for text in clean])
+    corrupted_ids = torch.stack([ids(model, text)[0] for text in corrupted])
+    assert torch.equal(as_text, activation_patching(model, clean_ids, corrupted_ids, metric, progress=False))
+    assert torch.equal(attribution_patching(model, clean, corrupted, metric),
+                       attribution_patching(model, clean_ids, corrupted_ids, metric))
+    # a one-pair list, a [seq] tensor and the strings are one pair
+    one = activation_patching(model, CLEAN, CORRUPTED, METRIC, progress=False)
+    assert torch.equal(activation_patching(model, [CLEAN], [CORRUPTED], METRIC, progress=False), one)
+    assert torch.equal(activation_patching(model, ids(model, CLEAN)[0], ids(model, CORRUPTED)[0], METRIC,
+                                           progress=False), one)
+
+
+def test_a_batch_misused_names_the_shape_it_needs(case):
+    _, model, hf_model, _ = case
+    clean, corrupted, metric = ioi_batch(hf_model.config.vocab_size)
+    per_row = lambda logits: logits[:, -1, 5] - logits[:, -1, 6]  # noqa: E731  (one score per pair: no reduction)
+    for call in (activation_patching, attribution_patching):
+        with pytest.raises(ValueError, match=r"\[8, seq, vocab\] for the 8 prompt pairs' rows, and must return one "
+                                             r"number; it gave shape \[8\]"):
+            call(model, clean, corrupted, per_row, **({"progress": False} if call is activation_patching else {}))
+        with pytest.raises(ValueError, match=r"\[batch, seq\] tensors of one shape, not \[8, 7\] and \[7, 7\]"):
+            call(model, clean, corrupted[:7], metric)
+        with pytest.raises(ValueError, match=r"prompts have 7 tokens, the corrupted ones 6"):
+            call(model, clean, corrupted[:, :6], metric)
+        with pytest.raises(ValueError, match=r"shape \[1, 8, 7\]; they must be a string, a list of strings"):
+            call(model, clean[None], corrupted, metric)
+        with pytest.raises(ValueError, match=r"one token length, a \[batch, seq\] batch without padding; they have "
+                                             r"\[6, 3\] tokens"):
+            call(model, [CLEAN, "the dog sat"], [CORRUPTED, "the cat sat"], metric)

@@ -1,0 +1,32 @@
+"""TransformerLens code on nnterp: ``HookedTransformer`` (a ``StandardizedTransformer`` with TransformerLens's
+loading, calling and generation), and TransformerLens's hooks, tokens, config and weights as methods of every
+``StandardizedTransformer`` (``install``).
+
+The hook names and the standard values they are: ``nnterp.spec.catalog.TRANSFORMERLENS_NAMES`` (and
+``TRANSFORMERLENS_COMPUTED``, those computed from the pass), served by ``nnterp.tools.hook_points``.
+"""
+
+from __future__ import annotations
+
+from ...core import tokens
+from . import config
+from .hooks import SWITCHES, add_hook, add_perma_hook, hooks, loss_fn, loss_per_token, reset_hooks, run_with_hooks
+from .model import HookedTransformer
+
+METHODS = {
+    "run_with_hooks": run_with_hooks, "hooks": hooks, "loss_per_token": loss_per_token, "loss_fn": loss_fn,
+    "add_hook": add_hook, "add_perma_hook": add_perma_hook, "reset_hooks": reset_hooks, **SWITCHES,
+    "to_tokens": tokens.to_tokens, "to_string": tokens.to_string, "to_single_token": tokens.to_single_token,
+    "get_token_position": tokens.get_token_position,
+}
+
+
+def install(cls) -> None:
+    """Give the model class TransformerLens's methods and attributes (``METHODS``, ``config.PROPERTIES``), from outside
+    the core (called by ``nnterp/__init__.py``). A name the class already has stays its own."""
+    for name, value in {**METHODS, **config.PROPERTIES}.items():
+        if not hasattr(cls, name):
+            setattr(cls, name, value)
+
+
+__all__ = ["HookedTransformer", "install"]

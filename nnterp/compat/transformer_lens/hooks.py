@@ -1,0 +1,248 @@
+"""TransformerLens's hooks on a standardized model: ``run_with_hooks``, ``with model.hooks(...)``, and the hooks
+that stay on, ``model.add_hook(name, fn)`` until ``model.reset_hooks()``.
+
+A hook is ``(name or predicate over names, fn)``; ``fn(tensor, hook)`` is called on the hook point's value in the
+forward pass (``hook.name`` its name, ``hook.layer()`` its block, ``hook.ctx`` a dictionary kept until the hooks are
+reset with ``clear_contexts``), and may edit it in place or return a tensor that replaces it. The hook points are read
+in the order the model computes them (``nnterp.tools.hook_points``), so any order of hooks works. The hooks on the
+model (``add_hook``, and those of the ``with model.hooks(...)`` blocks around the call) run in every pass
+TransformerLens's methods make (``model(...)`` on a ``HookedTransformer``, ``run_with_hooks``, ``run_with_cache``,
+``run_with_saes``), before the call's own, in the order they were added, as TransformerLens registers them; not in
+``model.trace`` or nnterp's other tools, whose edits are written in the trace. Backward hooks are refused: nnterp
+runs no backward hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import nnsight
+import torch
+
+from ...tools import hook_points
+from ...tools.activation_cache import _inputs, _refuse_foreign_arguments, _returned, _standard_point, lm_loss
+
+BACKWARD = ("bwd_hooks are TransformerLens's backward hooks, which nnterp does not run. For gradients, save the "
+            "values in a model.trace (value.save(), with value.retain_grad() where needed), call .backward() on what "
+            "you compute from them, and read value.grad.")
+
+
+def _refuse_backward(bwd_hooks, what: str) -> None:
+    if bwd_hooks:
+        raise TypeError(f"{what}: {BACKWARD}")
+
+
+class InstalledHook:
+    """A hook on the model: its names (a name or a predicate), its function, whether ``reset_hooks()`` keeps it
+    (``permanent``), and the ``with model.hooks(...)`` depth that added it (None: ``add_hook``)."""
+
+    __slots__ = ("names", "fn", "permanent", "level")
+
+    def __init__(self, names, fn: Callable, permanent: bool = False, level: int | None = None):
+        self.names, self.fn, self.permanent, self.level = names, fn, permanent, level
+
+    def __repr__(self) -> str:
+        return f"InstalledHook({self.names!r}, {self.fn!r}, permanent={self.permanent}, level={self.level})"
+
+
+def _installed(model) -> list[InstalledHook]:
+    return model.__dict__.setdefault("_nnterp_installed_hooks", [])
+
+
+def _publish(model, installed: list[InstalledHook]) -> None:
+    """Store the hooks on the model, and as ``(names, fn)`` pairs where ``run_with_cache`` reads them."""
+    model.__dict__["_nnterp_installed_hooks"] = installed
+    model.__dict__["_nnterp_context_hooks"] = [(hook.names, hook.fn) for hook in installed]
+
+
+def context_hooks(model) -> list:
+    """The hooks on the model (``add_hook``, ``with model.hooks(...)``), as ``(names, fn)`` in the order they run."""
+    return list(model.__dict__.get("_nnterp_context_hooks", ()))
+
+
+def add_hook(model, name, hook: Callable, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
+             prepend: bool = False) -> None:
+    """TransformerLens's ``model.add_hook(name_or_predicate, fn)``: ``fn`` is called on those hook points in every
+    later pass of TransformerLens's methods, until ``model.reset_hooks()`` (``is_permanent=True``: until
+    ``reset_hooks(including_permanent=True)``). ``prepend=True`` runs it before the hooks already there."""
+    if dir != "fwd":
+        if dir == "bwd":
+            raise TypeError(f"model.add_hook(..., dir='bwd'): {BACKWARD}")
+        raise ValueError(f"dir is 'fwd' (or TransformerLens's 'bwd', which nnterp does not run), not {dir!r}.")
+    _refuse_sae_entries(model, name)
+    hook_points.hooked_points(model, [(name, hook)])  # a bad name or function says so here, not at the next pass
+    entry = InstalledHook(name, hook, bool(is_permanent), level)
+    installed = _installed(model)
+    _publish(model, [entry, *installed] if prepend else [*installed, entry])
+
+
+def _sae_entries(model, names) -> list[str]:
+    """The attached SAEs' own values (``...hook_sae_acts_post``) that a hook name or predicate chooses."""
+    from .saes import SAE_ENTRIES, attached_saes
+
+    entries = [f"{one.prefix}.{entry}" for one in attached_saes(model).values() for entry in SAE_ENTRIES]
+    return [e for e in entries if (names(e) if callable(names) else names == e)]
+
+
+def _refuse_sae_entries(model, names) -> None:
+    """A hook that stays on the model cannot be on an SAE's own values (they are hooked for one call): refused
+    rather than left out."""
+    chosen = _sae_entries(model, names)
+    if chosen or (isinstance(names, str) and ".hook_sae_" in names):
+        raise TypeError(f"A hook on {', '.join(chosen) or names} that stays on the model: hooks on an SAE's own values "
+                        "run for one call, in model.run_with_hooks(input, fwd_hooks=[...]) with the SAE attached, or "
+                        "model.run_with_hooks_with_saes(input, saes=[...], fwd_hooks=[...]).")
+
+
+def add_perma_hook(model, name, hook: Callable, dir: str = "fwd") -> None:
+    """``add_hook(..., is_permanent=True)``: kept by ``reset_hooks()``."""
+    add_hook(model, name, hook, dir, is_permanent=True)
+
+
+def reset_hooks(model, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
+                level: int | None = None) -> None:
+    """TransformerLens's ``model.reset_hooks()``: remove the hooks on the model (the permanent ones too with
+    ``including_permanent``; those a ``with model.hooks(...)`` block of depth ``level`` added, with ``level``), and
+    with ``clear_contexts`` empty every ``hook.ctx``."""
+    if direction not in ("fwd", "bwd", "both"):
+        raise ValueError(f"direction is 'fwd', 'bwd' or 'both', not {direction!r}.")
+    if direction != "bwd":
+        kept = [hook for hook in _installed(model) if not (
+            including_permanent or (not hook.permanent and (level is None or hook.level == level)))]
+        _publish(model, kept)
+    if clear_contexts:
+        model.__dict__["_nnterp_hook_contexts"] = {}
+
+
+@contextlib.contextmanager
+def hooks(model, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True, clear_contexts: bool = False):
+    """``with model.hooks(fwd_hooks=[(name, fn)]):`` the passes inside the block call these hooks too; after it they
+    are gone (kept with ``reset_hooks_end=False``, until ``model.reset_hooks()``)."""
+    _refuse_backward(bwd_hooks, "model.hooks")
+    fwd_hooks = list(fwd_hooks)
+    for entry in fwd_hooks:
+        if isinstance(entry, (tuple, list)) and len(entry) == 2:
+            _refuse_sae_entries(model, entry[0])
+    hook_points.hooked_points(model, fwd_hooks)  # a bad name or pair says so here, before any is added
+    level = model.__dict__.get("_nnterp_hook_level", 0) + 1
+    model.__dict__["_nnterp_hook_level"] = level
+    try:
+        for name, fn in fwd_hooks:
+            add_hook(model, name, fn, level=level)
+        yield model
+    finally:
+        if reset_hooks_end:
+            reset_hooks(model, clear_contexts, level=level)
+        model.__dict__["_nnterp_hook_level"] = level - 1
+
+
+def run_with_hooks(model, input, fwd_hooks=(), bwd_hooks=None, reset_hooks_end: bool = True,
+                   clear_contexts: bool = False, return_type: str | None = "logits", loss_per_token: bool = False,
+                   prepend_bos: bool | None = None, padding_side: str | None = None,
+                   stop_at_layer: int | None = None, **kwargs):
+    """One forward pass with ``fwd_hooks`` (after the hooks on the model) called on their hook points:
+    TransformerLens's ``run_with_hooks``.
+
+    ``input``: a text, a list of texts (tokenized as ``model.to_tokens`` does, with ``prepend_bos``; a batch is
+    padded on ``padding_side`` and its pads masked) or token ids ``[batch, seq]`` / ``[seq]``. ``return_type``: ``"logits"``,
+    ``"loss"`` (the mean next-token loss; per token with ``loss_per_token``), ``"both"`` or None;
+    ``stop_at_layer=k`` returns the stream entering block ``k`` instead. The pass keeps gradients as torch's mode
+    says (TransformerLens's does). The attention values are turned on for the call where a hook needs them.
+    ``reset_hooks_end=False`` leaves ``fwd_hooks`` on the model afterwards, as TransformerLens does.
+    """
+    _refuse_backward(bwd_hooks, "run_with_hooks")
+    _refuse_foreign_arguments(kwargs, False, "run_with_hooks", "input, fwd_hooks, bwd_hooks, reset_hooks_end, "
+                              "clear_contexts, return_type, loss_per_token, prepend_bos, padding_side and "
+                              "stop_at_layer")
+    fwd_hooks = list(fwd_hooks)
+    if any(isinstance(entry, (tuple, list)) and len(entry) == 2 and _sae_entries(model, entry[0])
+           for entry in fwd_hooks):  # an attached SAE's own values: hooked inside its splice, for this call
+        if not reset_hooks_end:
+            raise TypeError("run_with_hooks(reset_hooks_end=False) with hooks on an SAE's values: those run for one "
+                            "call only.")
+        from .saes import run_with_hooks_with_saes
+
+        return run_with_hooks_with_saes(model, input, fwd_hooks=fwd_hooks, clear_contexts=clear_contexts,
+                                        return_type=return_type, loss_per_token=loss_per_token,
+                                        prepend_bos=prepend_bos, padding_side=padding_side,
+                                        stop_at_layer=stop_at_layer)
+    with hooks(model, fwd_hooks, (), reset_hooks_end, clear_contexts):
+        return forward(model, input, context_hooks(model), return_type, loss_per_token, prepend_bos, stop_at_layer,
+                       padding_side)
+
+
+def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False, prepend_bos=None, stop_at_layer=None,
+            padding_side=None):
+    """The pass of ``run_with_hooks`` (and of a ``HookedTransformer``'s ``model(input)``)."""
+    if return_type not in ("logits", "loss", "both", None):
+        raise ValueError(f"return_type is one of 'logits', 'loss', 'both' or None, not {return_type!r}.")
+    plan = hook_points.Plan()
+    for point, fn in hook_points.hooked_points(model, fwd_hooks):
+        plan.add(point, fn)
+    residual = None
+    if stop_at_layer is not None:
+        if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
+                -model.num_layers <= stop_at_layer <= model.num_layers):
+            raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
+                             f"not {stop_at_layer!r}.")
+        stop = stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
+        residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
+                    else _standard_point(model, "layer_output", model.num_layers - 1))
+        plan.add(residual)
+    inputs = _inputs(model, input, prepend_bos, padding_side)
+    with hook_points.attention_for(model, plan.needs_attention), model.trace(inputs):
+        plan.run(model)
+        if residual is not None:
+            stream = nnsight.save(residual.read(model))
+        elif return_type is not None:
+            logits = nnsight.save(model.logits)
+    if residual is not None:
+        return stream
+    if return_type is None:
+        return None
+    if loss_per_token and return_type in ("loss", "both"):
+        loss = lm_loss(logits, inputs["input_ids"], inputs["attention_mask"], per_token=True)
+        return loss if return_type == "loss" else (logits, loss)
+    return _returned(model, logits, inputs["input_ids"], inputs["attention_mask"], return_type)
+
+
+def loss_per_token(model, input, prepend_bos: bool | None = None) -> torch.Tensor:
+    """The next-token loss at each position, ``[batch, seq - 1]`` (0 where it or the token it predicts is a pad)."""
+    return forward(model, input, context_hooks(model), "loss", True, prepend_bos)
+
+
+def loss_fn(model, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            per_token: bool = False) -> torch.Tensor:
+    """TransformerLens's ``model.loss_fn(logits, tokens, attention_mask=None, per_token=False)``: minus the
+    log-probability of each next token, ``[batch, seq - 1]`` with ``per_token`` (0 where ``attention_mask`` masks it
+    or the token it predicts), else its mean over the real predictions."""
+    tokens = torch.as_tensor(tokens)
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"loss_fn takes logits [batch, seq, vocab] and their tokens [batch, seq], not "
+                         f"{tuple(logits.shape)} and {tuple(tokens.shape)}.")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens {tuple(tokens.shape)}.")
+    return lm_loss(logits, tokens, attention_mask, per_token=per_token)
+
+
+# TransformerLens's switches for hook points it computes only when asked; nnterp serves them always, or never
+def set_use_attn_result(model, use_attn_result: bool) -> None:
+    """TransformerLens's switch for ``attn.hook_result``: nnterp always serves it (computed from ``hook_z`` and the
+    output projection, read-only), so this changes nothing."""
+
+
+def set_use_hook_mlp_in(model, use_hook_mlp_in: bool) -> None:
+    """TransformerLens's switch for ``hook_mlp_in``: nnterp always serves it, so this changes nothing."""
+
+
+def _refuse_split_inputs(model, use: bool = True) -> None:
+    if use:
+        raise TypeError("TransformerLens's split attention inputs (hook_q_input, hook_k_input, hook_v_input, "
+                        "hook_attn_in: one copy of the stream per head) are not served: the model reads one stream "
+                        "for every head, so a per-head edit of it has no tensor in the model to reach. Patch a "
+                        "head's own values instead (attn.hook_q / hook_k / hook_v / hook_z, per head).")
+
+
+SWITCHES = {"set_use_attn_result": set_use_attn_result, "set_use_hook_mlp_in": set_use_hook_mlp_in,
+            "set_use_split_qkv_input": _refuse_split_inputs, "set_use_attn_in": _refuse_split_inputs}
