@@ -91,9 +91,18 @@ def main() -> None:
         with torch.no_grad():
             hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
+    from nnterp import StandardizedTransformer, steered_generate
+
+    on_transformers = StandardizedTransformer(folder)  # the same weights, transformers' engine
+    text = on_transformers.tokenizer.decode(prompt)
+
+    def transformers_steered():
+        steered_generate(on_transformers, text, [1, 3], vector, max_new_tokens=n)
+
     variants = [("(a) vLLM engine, no trace", engine), ("(b) empty trace", empty_trace),
                 ("(c) every layer_output, every step", every_layer_output), ("(d) steered_generate, 2 blocks", steered),
-                ("(e) transformers generate", transformers_generate)]
+                ("(e) transformers generate", transformers_generate),
+                ("(f) steered_generate on transformers", transformers_steered)]
     results = {label: timed(fn, args.rounds) for label, fn in variants}
     base = results[variants[0][0]]
     print(f"StandardizedVLLM benchmark, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
@@ -101,6 +110,8 @@ def main() -> None:
     print(f"Llama shape {layers} x {hidden} (random weights): prompt 32, {n} greedy tokens, median of {args.rounds}")
     for label, seconds in results.items():
         print(f"  {label:<38} {n / seconds:8.1f} tokens/s   x {seconds / base:5.2f} the time of (a)")
+    print(f"  steered generation, vLLM (d) / transformers (f): x {results[variants[3][0]] / results[variants[5][0]]:.2f}"
+          " the time")
     sys.stdout.flush()
     os._exit(0)  # the in-process engine's threads would hold the exit
 
