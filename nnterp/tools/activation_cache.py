@@ -591,13 +591,7 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                 padding_side, remove_batch_dim):
     """The pass with TransformerLens's hook points: those ``names_filter`` chooses (and ``names``'s standard values),
     cached under their names; the hooks of ``model.hooks(...)`` called on theirs."""
-    stop = None
-    if stop_at_layer is not None:
-        if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
-                -model.num_layers <= stop_at_layer <= model.num_layers):
-            raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
-                             f"not {stop_at_layer!r}.")
-        stop = stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
+    stop = None if stop_at_layer is None else hook_points.stop_block(model, stop_at_layer)
     every = names_filter is None and names is None  # every standard value (and on a HookedTransformer every hook)
     hook_cache = getattr(model, "_nnterp_hook_cache", False)
     if every:

@@ -564,3 +564,13 @@ __all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookEr
            "StandardPoint", "apply", "attention_for", "get_act_name", "has_rotary", "hook_names", "hooked_points",
            "in_forward_order", "is_hook_name", "norm_form", "point", "points", "position_table",
            "scale_and_normalized", "split_name"]
+
+
+def stop_block(model, stop_at_layer: int) -> int:
+    """TransformerLens's ``stop_at_layer`` as the block the pass stops before (``num_layers``: after the last),
+    refused unless it is a block index from ``-num_layers`` to ``num_layers``."""
+    if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
+            -model.num_layers <= stop_at_layer <= model.num_layers):
+        raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
+                         f"not {stop_at_layer!r}.")
+    return stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers

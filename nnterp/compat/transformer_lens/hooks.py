@@ -182,11 +182,7 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
         plan.add(point, fn)
     residual = None
     if stop_at_layer is not None:
-        if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
-                -model.num_layers <= stop_at_layer <= model.num_layers):
-            raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
-                             f"not {stop_at_layer!r}.")
-        stop = stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
+        stop = hook_points.stop_block(model, stop_at_layer)
         residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
                     else _standard_point(model, "layer_output", model.num_layers - 1))
         plan.add(residual)
