@@ -16,17 +16,21 @@ def capture_calls(hf_model, blocks, places, ids, **forward):
     ``blocks`` are the block modules in the standard order; ``places`` is ``{name: (path, side)}`` (a path relative
     to the block, "" the block itself), or a function of the block module giving it. ``side`` is ``"in"`` (the
     stream argument: the first positional one, or ``hidden_states``), ``"inN"`` (positional argument N) or
-    ``"out"`` (the output, its first element where a tuple or a list). ``calls`` lists the blocks in the order the
-    forward calls them; run k of a place is its k-th call. Each tensor is a clone: later in-place adds leave it.
+    ``"out"`` (the output, its first element where a tuple or a list); a third element names a block attribute the
+    block's code multiplies that tensor by as it adds it (the value is the product). ``calls`` lists the blocks in the
+    order the forward calls them; run k of a place is its k-th call. Each tensor is a clone: later in-place adds leave
+    it.
     """
     calls, captured, handles, runs = [], {}, [], {}
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)))
-        for name, (path, side) in (places(block) if callable(places) else places).items():
+        for name, (path, side, *scale) in (places(block) if callable(places) else places).items():
             module = block.get_submodule(path) if path else block
+            factor = getattr(block, scale[0]) if scale else None
 
-            def record(tensor, i=i, name=name):
+            def record(tensor, i=i, name=name, factor=factor):
                 run = runs[(i, name)] = runs.get((i, name), -1) + 1
+                tensor = tensor if factor is None else tensor * factor
                 captured[(i, run, name)] = tensor.detach().clone()
 
             if side.startswith("in"):
@@ -78,6 +82,18 @@ def first_calls(hf_model, modules: dict, ids, **forward) -> dict[str, tuple]:
         for handle in handles:
             handle.remove()
     return got
+
+
+def scaled_edit(edit, factor: float):
+    """``edit`` of a value the block adds as a module's tensor times ``factor``, as a hook on that tensor makes it: the
+    product edited, the changed elements divided back by the factor, the others the module's own (plus a zero through
+    which a gradient reaches the product)."""
+    def on_module(t):
+        product = t * factor
+        changed = edit(product.clone())
+        divided = changed / factor
+        return torch.where(changed == product, t.detach() + (divided - divided.detach()), divided)
+    return on_module
 
 
 def logits_with_edit(hf_model, module, side: str, edit, ids, **forward) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ..spec.errors import ValueUnavailable
 from ..spec.identity import Expr, Name, Plus, PostNorm, Sum, addends, evaluate, names_in
 from ..spec.locations import At
 from ..spec.sourced import sourced
+from ..spec.views import Times
 from .checks import _refuse
 
 
@@ -48,6 +49,18 @@ class BlockSum:
     def reaching(self, term: Expr, value: torch.Tensor) -> torch.Tensor:
         """``value`` of ``term`` as it reaches the stream: its factor applied as the block's code applies it."""
         return evaluate(term, {term_name(term): value}, self.module)
+
+
+def added_factor(model, layer: int, value: str) -> float:
+    """The factor block ``layer``'s code multiplies a sublayer's output by as it adds it to the stream, which the
+    contribution ``value`` includes (its location's ``Times`` view: Granite's ``residual_multiplier``); 1 where there
+    is none. A head's or neuron's share of the projection's output reaches the stream times it."""
+    module = model.layers[layer]._module
+    factor = 1.0
+    for view in model.location(layer, value).views:
+        if isinstance(view, Times):
+            factor *= getattr(module, view.attribute)
+    return factor
 
 
 def add_up(node: Expr, rows: dict[str, torch.Tensor]) -> torch.Tensor:

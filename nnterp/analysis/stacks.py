@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..spec.locations import At
-from .blocks import _available, block_sum
+from .blocks import _available, added_factor, block_sum
 from .checks import _far, _refuse
 from .experts import _expert_modules, expert_neuron_results
 from .norms import apply_ln_to_stack
@@ -44,8 +44,8 @@ def _sublayer_output_check(model, layer, total, output, path, value, what):
 
 
 def _contributed(model, layer: int, name: str, rows: torch.Tensor, what: str) -> torch.Tensor:
-    """``rows`` (shares of block ``layer``'s ``name``) as its identity adds ``name`` to the stream (Granite's times
-    ``residual_multiplier``). A block whose identity is not the stream plus contributions (a gate or scalar on the
+    """``rows`` (shares of block ``layer``'s ``name``) as its identity adds ``name`` to the stream (a scale the identity
+    puts on it; Granite's factor is in its contributions themselves). A block whose identity is not the stream plus contributions (a gate or scalar on the
     stream, a norm after the add: post-norm OPT) is refused, as ``decompose_resid`` refuses it: no head or neuron
     there adds a fixed row to the stream."""
     block = block_sum(model, layer, what)
@@ -62,8 +62,9 @@ def _has(model, layer: int, name: str) -> bool:
 
 def head_results(cache, layer: int, pos_slice=None) -> torch.Tensor:
     """Each head's share of block ``layer``'s attention output, ``[heads, batch, pos, hidden]``: its slice of
-    ``attention_premix`` through its columns of the output projection. They sum, with the projection's bias, to
-    ``attention_output`` (within rounding), which is checked."""
+    ``attention_premix`` through its columns of the output projection (times the factor the block adds the
+    projection's output with: Granite's ``residual_multiplier``). They sum, with the projection's bias (times that
+    factor), to ``attention_output`` (within rounding), which is checked."""
     model = cache.model
     what = "stack_head_results"
     weight, bias, path = _projection(model, layer, "attention_premix", what)
@@ -73,8 +74,9 @@ def head_results(cache, layer: int, pos_slice=None) -> torch.Tensor:
         _refuse(model, what, f"block {layer}'s {path} reads {weight.shape[1]} features, not the {heads} heads' "
                              f"{heads * head_dim}")
     per_head = weight.to(premix.device).view(weight.shape[0], heads, head_dim)
-    results = torch.einsum("...hd,ohd->h...o", premix, per_head)
-    total = results.sum(0) + (0 if bias is None else bias.to(premix.device))
+    factor = added_factor(model, layer, "attention_output")
+    results = torch.einsum("...hd,ohd->h...o", premix, per_head) * factor
+    total = results.sum(0) + (0 if bias is None else bias.to(premix.device) * factor)
     output = _take(cache["attention_output", layer], pos_slice, -2)
     _sublayer_output_check(model, layer, total, output, path, "attention_output", what)
     return results
@@ -82,8 +84,8 @@ def head_results(cache, layer: int, pos_slice=None) -> torch.Tensor:
 
 def neuron_results(cache, layer: int, neuron_slice=None, pos_slice=None) -> torch.Tensor:
     """Each MLP neuron's share of block ``layer``'s MLP output, ``[neurons, batch, pos, hidden]``: ``mlp_neurons``
-    times its column of the down projection. All of them sum, with the projection's bias, to ``mlp_output``
-    (within rounding), which is checked."""
+    times its column of the down projection (times the factor the block adds the projection's output with). All of
+    them sum, with the projection's bias (times that factor), to ``mlp_output`` (within rounding), which is checked."""
     model = cache.model
     what = "stack_neuron_results"
     weight, bias, path = _projection(model, layer, "mlp_neurons", what)
@@ -92,11 +94,12 @@ def neuron_results(cache, layer: int, neuron_slice=None, pos_slice=None) -> torc
     if weight.shape[1] != neurons.shape[-1]:
         _refuse(model, what, f"block {layer}'s {path} reads {weight.shape[1]} features, not its "
                              f"{neurons.shape[-1]} mlp_neurons")
-    total = neurons @ weight.t() + (0 if bias is None else bias.to(neurons.device))
+    factor = added_factor(model, layer, "mlp_output")
+    total = (neurons @ weight.t() + (0 if bias is None else bias.to(neurons.device))) * factor
     output = _take(cache["mlp_output", layer], pos_slice, -2)
     _sublayer_output_check(model, layer, total, output, path, "mlp_output", what)
     chosen = _take(torch.arange(neurons.shape[-1]), neuron_slice, 0).reshape(-1)
-    columns = weight.t()[chosen.to(weight.device)]  # [neurons, hidden]
+    columns = weight.t()[chosen.to(weight.device)] * factor  # [neurons, hidden]
     return (neurons[..., chosen.to(neurons.device), None] * columns).movedim(-2, 0)
 
 
@@ -122,7 +125,7 @@ def stack_head_results(cache, layer: int | None = -1, return_labels: bool = Fals
                        pos_slice=None, apply_ln: bool = False):
     """Every attention head's share of the stream, for the blocks before ``layer`` (-1 or None: all):
     ``[heads, batch, pos, hidden]``, labelled ``L{i}H{h}`` (``head_results``), each as it reaches the stream
-    (Granite's times ``residual_multiplier``): a block's heads and its projection's bias sum to its row of
+    (Granite's times its ``residual_multiplier``): a block's heads and its projection's bias sum to its row of
     ``decompose_resid``. A block whose token mixer is not attention has none; a family whose blocks are not the
     stream plus contributions is refused, as ``decompose_resid`` is. ``incl_remainder`` adds the rest of the
     stream at ``layer`` (embeddings, projection biases, MLPs, other mixers) as ``remainder``; ``apply_ln`` passes the rows through the norm that reads that

@@ -8,6 +8,7 @@ nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,10 +16,11 @@ import torch
 from transformers import PretrainedConfig
 
 from ..spec.attention import STANDARD, WITH_SINKS, EagerAttention
-from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
-from ..spec.identity import SEQUENTIAL, A, Custom, Identity, M, PostNorm, Sum, Terms, X, native
+from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG
+from ..spec.identity import SEQUENTIAL, A, Custom, Expr, Identity, M, Plus, PostNorm, Scaled, Sum, Terms, X, native
 from ..spec.locations import At, Location, SameAs, Unavailable, input, output
 from ..spec.sourced import sourced
+from ..spec.views import Times
 
 
 class FrozenDict(dict):
@@ -281,6 +283,32 @@ def post_norm_block(*, first_norm: str, second_norm: str, attention: str, o_proj
         },
         identity=PostNorm(first_norm, second_norm),  # the proof checks layer_mid is the first norm's output
     )
+
+
+def added_times(block: Block, factor: str) -> Block:
+    """``block``, whose code adds each contribution to the stream times the block attribute ``factor`` (Granite's
+    ``residual_multiplier``), with its contributions read as the products the stream receives (the ``Times`` view:
+    live, an edit handed back through the factor) and its identity the plain sum of its spec without the factor.
+    The module's own output stays at its native path (``layers[i].self_attn.output[0]``)."""
+    def unscaled(node: Expr) -> Expr:
+        if isinstance(node, Plus):
+            return Plus(unscaled(node.left), unscaled(node.right))
+        if isinstance(node, Scaled) and node.by == factor and node.how == "value * factor":
+            return node.of
+        return node
+
+    if not isinstance(block.identity, Sum):
+        raise ValueError(f"added_times rewrites a Sum identity, not {type(block.identity).__name__}")
+    scaled = times(block, **dict.fromkeys(ADDED, factor))
+    return dataclasses.replace(scaled, identity=dataclasses.replace(block.identity, tree=unscaled(block.identity.tree)))
+
+
+def times(block: Block, **factors: str) -> Block:
+    """``block`` with each value named in ``factors`` that is read at a location read as the product of that location's
+    tensor and the block attribute given (the ``Times`` view): what the block's code adds to the stream."""
+    values = {name: dataclasses.replace(where, views=(*where.views, Times(factors[name])))
+              if name in factors and isinstance(where, At) else where for name, where in block.values.items()}
+    return dataclasses.replace(block, values=values)
 
 
 OWN_ATTENTION = Unavailable(

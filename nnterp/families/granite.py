@@ -1,9 +1,10 @@
 """Granite, Granite-MoE, HyperCLOVAX and MiniCPM3: a residual multiplier ``r`` on both contributions.
 
-``layer_mid = layer_input + attention_output * r`` and
-``layer_output = layer_mid + mlp_output * r`` with ``r = config.residual_multiplier``:
-the products are not at any module boundary, so the values are the sublayers' own
-outputs and the identity carries ``r``. (Block 0's input is the embedding times
+the block adds ``self_attn.output[0] * r`` and ``mlp.output * r`` to the stream, with
+``r = config.residual_multiplier``. The contributions are those products, what the stream receives
+(``layer_mid = layer_input + attention_output``, ``layer_output = layer_mid + mlp_output``): they are
+at no module boundary, so each is computed as the block computes it and handed back through ``r``
+(``nnterp.spec.views.Times``); the modules' own outputs stay at their native paths. (Block 0's input is the embedding times
 ``embedding_multiplier``, and the logits are ``lm_head`` divided by ``logits_scaling``.)
 Granite-MoE's MLP is a routed mixture at ``block_sparse_moe``.
 Granite-MoE-shared and Granite-MoE-SWA (the same block with sliding-window attention) add a shared
@@ -14,15 +15,15 @@ names ``hidden_states_4``) and ``mlp_input`` is the norm's output. ``layers[i].m
 the module every config of the type has (``layers[i].shared_mlp`` is the shared MLP); the MLP is
 routed, so no single activation exists. Granite-MoE-SWA's eager attention scales the heads' mixed
 values by attention-sink factors, so the values inside its attention are unavailable.
-HyperCLOVAX norms each contribution after its sublayer (``post_norm1``, ``post_norm2``), so a
-contribution is that norm's output, and it multiplies its logits by ``logits_scaling``. MiniCPM3's factor is the
+HyperCLOVAX norms each sublayer's output (``post_norm1``, ``post_norm2``) before the factor, so a
+contribution is that norm's output times ``r``, and it multiplies its logits by ``logits_scaling``. MiniCPM3's factor is the
 block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its attention is latent
 (MLA), and it divides the normed stream by ``logits_scaling`` before the head.
 """
 
 import transformers
 
-from .base import ROUTED, STANDARD, A, Family, M, SameAs, Sum, Unavailable, X, output, pre_norm_block
+from .base import ROUTED, STANDARD, A, Family, M, SameAs, Sum, Unavailable, X, added_times, output, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -30,12 +31,12 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_at
 
 
 def _block(config, i, mlp="mlp", factor="residual_multiplier", **overrides):
-    return pre_norm_block(
+    return added_times(pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp=mlp, act=f"{mlp}.act_fn", down_proj=f"{mlp}.down_proj",
         identity=Sum((X + A * factor) + M * factor),
         **overrides,
-    )
+    ), factor)
 
 
 GRANITE = Family(

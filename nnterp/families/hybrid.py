@@ -12,8 +12,8 @@ stream after its add, on every block.
   mixture on the layers the config gives experts. Its Mamba runs a pure-PyTorch scan where the
   ``mamba_ssm`` kernels are not installed (CPU).
 - Bamba: Mamba-2 (``mamba``) or attention, the same block as Jamba's with a dense MLP.
-- Granite-4.0-H (``granitemoehybrid``): Mamba-2 or attention on Granite's block, both contributions
-  times ``residual_multiplier``. The MLP contribution is the experts' output plus the shared MLP's,
+- Granite-4.0-H (``granitemoehybrid``): Mamba-2 or attention on Granite's block, which adds both sublayers'
+  outputs times ``residual_multiplier``: the contributions are those products (as on Granite). The MLP contribution is the experts' output plus the shared MLP's,
   summed in the block's own code: ``mlp_output`` is read there, at the operation nnsight's
   ``.source`` names; ``mlp_input`` is the norm's output, which both are called with, and
   ``layers[i].mlp`` is the shared MLP. The logits are the head's divided by ``logits_scaling``.
@@ -35,7 +35,7 @@ import transformers
 
 from ..spec.catalog import ATTENTION_VALUES
 from ..spec.identity import A, M, Sum, X
-from .base import ROUTED, Block, Family, SameAs, Unavailable, output, pre_norm_block, stream_and_none
+from .base import ROUTED, Block, Family, SameAs, Unavailable, added_times, output, pre_norm_block, stream_and_none
 from .moe import routed_layer
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -112,13 +112,13 @@ _GRANITE = Sum((X + A * "residual_multiplier") + M * "residual_multiplier")
 
 def _granite_block(config, i):
     experts = config.num_local_experts > 0
-    return _hybrid(
+    return added_times(_hybrid(
         mixer="mamba", kind="a Mamba-2 layer", is_routed=lambda config, i: experts, input_norm="input_layernorm",
         post_norm="post_attention_layernorm", mlp="shared_mlp", act="shared_mlp.activation",
         down_proj="shared_mlp.output_linear", identity=_GRANITE,
         mlp_input=SameAs("mlp_norm_output"),  # both the experts and the shared MLP are called with it
         **({"mlp_output": output("", op="hidden_states_4")} if experts else {}),
-    )(config, i)
+    )(config, i), "residual_multiplier")
 
 
 GRANITE_MOE_HYBRID = Family(

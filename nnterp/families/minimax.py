@@ -2,14 +2,15 @@
 mixture of experts at ``mlp``, and residual adds that start from the normed stream, each side scaled by a factor.
 
     n1 = input_layernorm(layer_input)                    (attention_norm_output)
-    layer_mid = n1 · α_a + attention_output · β_a
+    layer_mid = n1 · α_a + self_attn(n1) · β_a           (attention_output = self_attn(n1) · β_a)
     n2 = post_attention_layernorm(layer_mid)             (mlp_norm_output; mlp_input, a copy the MLP alone reads)
-    layer_output = n2 · α_m + mlp_output · β_m
+    layer_output = n2 · α_m + mlp(n2) · β_m              (mlp_output = mlp(n2) · β_m)
 
 The residual of each add is the norm's output, not the stream the block received: ``layer_input`` is in the
 identity only through ``input_layernorm``. α_a, β_a are ``attn_alpha_factor`` and ``attn_beta_factor`` of the block
 (the config's ``full_attn_*`` or ``linear_attn_*`` factors, by ``layer_types``); α_m, β_m are ``mlp_alpha_factor`` and
-``mlp_beta_factor``. On a linear-attention block the lightning attention's output is ``mixer_output`` and the
+``mlp_beta_factor``. The contributions are what the block adds, the sublayers' outputs times β (computed as the
+block computes them and handed back through β: ``nnterp.spec.views.Times``). On a linear-attention block the lightning attention's output is ``mixer_output`` and the
 attention's values are unavailable, as on the other hybrids.
 """
 
@@ -18,20 +19,20 @@ import dataclasses
 import transformers
 
 from ..spec.identity import Custom
-from .base import ROUTED, Family, input, native, pre_norm_block
+from .base import ROUTED, Family, input, native, pre_norm_block, times
 from .hybrid import is_attention, mixer_block
 
-FORMULA = ("layer_output = n2·α_m + mlp_output·β_m, n2 = norm2(layer_mid), "
-           "layer_mid = n1·α_a + attention_output·β_a, n1 = norm1(layer_input) "
-           "(RMS norms: input_layernorm, post_attention_layernorm; α_a, β_a: attn_alpha_factor, attn_beta_factor; "
-           "α_m, β_m: mlp_alpha_factor, mlp_beta_factor)")
+FORMULA = ("layer_output = n2·α_m + mlp_output, n2 = norm2(layer_mid), "
+           "layer_mid = n1·α_a + attention_output, n1 = norm1(layer_input) "
+           "(RMS norms: input_layernorm, post_attention_layernorm; α_a: attn_alpha_factor, α_m: mlp_alpha_factor; "
+           "the contributions are the sublayers' outputs times attn_beta_factor and mlp_beta_factor)")
 
 
 def _scaled_adds(t, block):
     n1 = native(block.input_layernorm, t["layer_input"])
-    mid = n1 * block.attn_alpha_factor + t["attention_output"] * block.attn_beta_factor
+    mid = n1 * block.attn_alpha_factor + t["attention_output"]
     n2 = native(block.post_attention_layernorm, mid)
-    return n2 * block.mlp_alpha_factor + t["mlp_output"] * block.mlp_beta_factor
+    return n2 * block.mlp_alpha_factor + t["mlp_output"]
 
 
 def _attention_factors(config, i) -> tuple[float, float]:
@@ -53,10 +54,11 @@ def _minimax_block(config, i):
     )
     if not attention:
         block = mixer_block(block, i, "self_attn", "lightning attention (a linear attention)")
-    alpha, beta = _attention_factors(config, i)
+    alpha, _ = _attention_factors(config, i)
     # the stream after the token mixer's add, from the values alone: the proof checks layer_mid is placed there
-    identity = dataclasses.replace(block.identity, mid=lambda v, _: v["attention_norm_output"] * alpha + v["mixer_output"] * beta)
-    return dataclasses.replace(block, identity=identity)
+    identity = dataclasses.replace(block.identity, mid=lambda v, _: v["attention_norm_output"] * alpha + v["mixer_output"])
+    return dataclasses.replace(times(block, attention_output="attn_beta_factor", mixer_output="attn_beta_factor",
+                                     mlp_output="mlp_beta_factor"), identity=identity)
 
 
 MINIMAX = Family(

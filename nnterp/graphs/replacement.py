@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..analysis import AnalysisUnavailable
+from ..analysis.blocks import added_factor
 from ..analysis.norms import _norm_form
 from ..spec.errors import ValueUnavailable
 from ..spec.sourced import sourced
@@ -207,12 +208,14 @@ def _no_weight_gradients(module: nn.Module):
 
 
 def _site(model, layer: int, name: str):
-    """``(module, location)`` of value ``name`` of block ``layer``: a module boundary, where a hook reads it."""
+    """``(module, location, factor)`` of value ``name`` of block ``layer``: a module boundary, where a hook reads it,
+    and the factor the block multiplies the module's tensor by to give the value (Granite's contributions: 1
+    elsewhere)."""
     location = model.location(layer, name)
-    if location.op or any(type(view).__name__ != "Unflatten" for view in location.views):
+    if location.op or any(type(view).__name__ not in ("Unflatten", "Times") for view in location.views):
         _refuse(model, f"block {layer}'s {name} is read inside a module's code or through a view, where a hook does "
                        "not reach it")
-    return model._module.get_submodule(model.block_path(layer, location.path)), location
+    return model._module.get_submodule(model.block_path(layer, location.path)), location, added_factor(model, layer, name)
 
 
 def _as_stream(tensor: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -229,7 +232,10 @@ class _Sites:
         self.forms = {}
         self.handles = []
         for layer in range(model.num_layers):
-            module, location = _site(model, layer, transcoders.input_value)
+            module, location, factor = _site(model, layer, transcoders.input_value)
+            if factor != 1.0:
+                _refuse(model, f"block {layer}'s {transcoders.input_value} is a product the block computes, not what "
+                               "a module gives")
             if location.side == "output":
                 self.handles.append(module.register_forward_hook(
                     lambda m, args, out, layer=layer, index=location.index: self.read(layer, _element(out, index), m)))
@@ -237,11 +243,12 @@ class _Sites:
                 self.handles.append(module.register_forward_pre_hook(
                     lambda m, args, kwargs, layer=layer, at=location: self.read(
                         layer, args[at.arg] if len(args) > at.arg else kwargs[at.kwarg], m), with_kwargs=True))
-            module, location = _site(model, layer, transcoders.output_value)
+            module, location, factor = _site(model, layer, transcoders.output_value)
             if location.side != "output":
                 _refuse(model, f"block {layer}'s {transcoders.output_value} is not a module's output")
             self.handles.append(module.register_forward_hook(
-                lambda m, args, out, layer=layer, index=location.index: self.replace(layer, out, index)))
+                lambda m, args, out, layer=layer, index=location.index, factor=factor: self.replace(
+                    layer, out, index, factor)))
 
     def read(self, layer: int, x: torch.Tensor, module: nn.Module) -> None:
         x = _as_stream(x, self.ids)
@@ -273,12 +280,15 @@ class _Sites:
             y = y / gain
         return y
 
-    def replace(self, layer: int, out, index: int):
+    def replace(self, layer: int, out, index: int, factor: float = 1.0):
+        """The MLP's output replaced by the site; ``factor``: the block adds the module's output times it (Granite),
+        so the transcoder's output and the site are the product, handed back through it."""
         if layer not in self.inputs:
             _refuse(self.model, f"block {layer}'s {self.transcoders.output_value} comes before its "
                                 f"{self.transcoders.input_value}")
         value = _element(out, index)
-        stream = _as_stream(value, self.ids)
+        own = _as_stream(value, self.ids)
+        stream = own * factor if factor != 1.0 else own
         x = self.inputs[layer]
         decoded = self.transcoders.decode(layer, [self.features.get(i) for i in range(layer + 1)])
         skip = self.transcoders.skip(layer, x)
@@ -293,6 +303,9 @@ class _Sites:
         node = error[0].clone()
         node[0] = 0  # circuit-tracer: no error node at position 0
         self.sites[layer], self.errors[layer] = site, node
+        if factor != 1.0:  # the block multiplies what it is handed: its own tensor, the site's gradient through it
+            handed = replaced / factor
+            replaced = own.detach() + (handed - handed.detach())
         replaced = replaced.reshape(value.shape)
         if isinstance(out, tuple):
             return (*out[:index], replaced, *out[index + 1:])

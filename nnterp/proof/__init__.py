@@ -19,10 +19,10 @@ import torch
 
 from ..families import Proving, family_of, for_config
 from ..families.base import ROUTED
-from ..spec.catalog import BY_NAME, CATALOG, IDENTITY_TERMS, STREAM
+from ..spec.catalog import ADDED, BY_NAME, CATALOG, IDENTITY_TERMS, STREAM
 from ..spec.errors import NNterpError
 from ..spec.fingerprint import fingerprint
-from ..spec.identity import SEQUENTIAL, evaluate, names_in
+from ..spec.identity import SEQUENTIAL, Name, Scaled, Sum, addends, evaluate, names_in
 from ..spec.locations import At
 from ..spec.selection import block_calls
 from ..spec.sourced import sourced
@@ -176,7 +176,20 @@ def problems_of(model) -> list[str]:
             problems.append(f"{label}: the identity fails (max |diff| {result.max_abs_diff:.3g}): {result.formula}; "
                             + _suspects(model.block_spec(i), values))
         problems += _placement_problems(model, i, values, label)
+        problems += _scaled_contributions(model.block_spec(i), label)
     return problems + _run_problems(model, ids)
+
+
+def _scaled_contributions(block, label: str) -> list[str]:
+    """A contribution is what the block adds to the stream: an identity that adds one scaled (``A * r``) serves the
+    sublayer's output in its place. With the identity and ``layer_mid`` checked bit for bit, a sum of plain
+    contributions makes each exactly what its add adds (``layer_mid - layer_input`` on a sequential block)."""
+    if not isinstance(block.identity, Sum):
+        return []
+    return [f"{label}: the identity adds {term}, not {term.of}: a contribution is what the block adds to the stream "
+            "(read the product, e.g. with the view nnterp.spec.views.Times)"
+            for term in addends(block.identity.tree)
+            if isinstance(term, Scaled) and isinstance(term.of, Name) and term.of.name in ADDED]
 
 
 def _run_problems(model, ids) -> list[str]:

@@ -163,6 +163,11 @@ class At:
         return value
 
     @property
+    def _fresh(self) -> bool:
+        """The value is a new tensor computed from the model's (a view's product), never the model's storage."""
+        return any(view.fresh for view in self.views)
+
+    @property
     def _derived(self) -> bool:
         """The reader gets a tensor the model does not hold itself: a view, or a copy."""
         return self.copy or bool(self.views) or bool(self.join)
@@ -170,8 +175,8 @@ class At:
     def read(self, block_envoy, num_heads: int | None, envoy=None):
         envoy = self.envoy(block_envoy) if envoy is None else envoy
         # a view needs handing back only for gradients (edits in place reach the model through the storage); a
-        # copy or a join always
-        if not (self.copy or self.join or (self._derived and torch.is_grad_enabled())):
+        # copy, a join or a fresh tensor (a product) always
+        if not (self.copy or self.join or self._fresh or (self._derived and torch.is_grad_enabled())):
             return self._view(self._raw(envoy), block_envoy, num_heads)
         # nnsight's write-back of a view: this location's eproperty serves the value and swaps the model's side
         # in when the trace next asks the model for anything (a read of it before then is the same tensor)

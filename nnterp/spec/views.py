@@ -11,7 +11,9 @@ and a view declares which views it does not combine with (``excludes``, ``joins`
   assigned ``value``;
 - ``describe()``: how the view reads, for ``availability`` and the docs (a location's read last view first);
 - ``prepare(block, model)``: what a forward pass reads before the first value of a block, where the view needs
-  something the block's input holds (``prepares``: whether it has anything to do).
+  something the block's input holds (``prepares``: whether it has anything to do);
+- ``fresh``: whether the value is a new tensor, not the model's storage (a product): it is then always handed back
+  to the model when the trace moves on (``unview``), so that edits made to it in place reach the model.
 
 ``block`` is the block's envoy, ``heads`` its number of attention heads. Everything here runs inside traces, also
 on a server where nnterp is not installed: plain classes with hand-written methods, and nnsight's own objects.
@@ -39,6 +41,7 @@ class View:
     why = ""
     joins = True
     prepares = False
+    fresh = False
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and vars(other) == vars(self)
@@ -265,6 +268,39 @@ class StreamsFirst(View):
 
     def describe(self) -> str:
         return " (the model's [streams, batch, seq, hidden], viewed as [batch, seq, streams, hidden])"
+
+
+class Times(View):
+    """A sublayer's output as the stream receives it, where the block's code multiplies it by a factor after the
+    module (Granite's ``residual_multiplier``): ``attribute`` names that factor on the block module. The product is
+    at no module boundary, so the value is computed as the block computes it (the same operation, bit for bit) and
+    handed back divided by the factor where it was edited: the model's own multiplication then gives the stream the
+    edited value (within one rounding), as a plain hook on the module's output that divides the edited product by
+    the factor would; elements left as they were hand back the module's own."""
+
+    name = "times"
+    rank = 70
+    fresh = True
+
+    def __init__(self, attribute: str):
+        self.attribute = attribute
+
+    def view(self, tensor, block, heads):
+        return tensor * getattr(block, self.attribute)
+
+    def unview(self, value, tensor, block, heads):
+        """The module's tensor where the value is the product still (undoing a product is not always the same
+        float), the value divided by the factor where it was edited; a gradient reaches every element of the value
+        (the difference added to the module's tensor is zero)."""
+        factor = getattr(block, self.attribute)
+        divided = value / factor
+        kept = tensor
+        if divided.requires_grad:
+            kept = tensor.detach() + (divided - divided.detach()).nan_to_num(0.0)
+        return torch.where(value == tensor * factor, kept, divided)
+
+    def describe(self) -> str:
+        return f" (times the block's {self.attribute}, as the block adds it to the stream)"
 
 
 def leading_shape(block_envoy) -> tuple[int, ...]:

@@ -19,8 +19,11 @@ from nnterp.families import BY_MODEL_TYPE
 from nnterp.spec.catalog import BY_NAME
 
 from ..conftest import build_tiny, tiny_tokenizer
+from ..hooks import scaled_edit
 
-# value -> (module path relative to the block, "in" | "out"); None where the value has no meaning
+# value -> (module path relative to the block, "in" | "out"); None where the value has no meaning. A third element
+# names a block attribute the block's code multiplies that tensor by as it adds it to the stream (Granite's
+# residual_multiplier): the value is the product, and an edit of it is the hook's edit of the product, divided back.
 PRE_NORM = lambda ln1, attn, o_proj, ln2, mlp, act, down: {  # noqa: E731
     "layer_input": ("", "in"), "attention_norm_output": (ln1, "out"), "attention_premix": (o_proj, "in"),
     "attention_output": (attn, "out"), "layer_mid": (ln2, "in"), "mlp_norm_output": (ln2, "out"),
@@ -97,17 +100,18 @@ def beam(x, a, m, e):
     return depth_scaled(m, depth_scaled(a, x, k), k + 1)
 
 
-CUSTOM_IDENTITY = {"beam", "minicpm3", "granite", "granitemoe", "hyperclovax", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4", "hy_v4"}
+CUSTOM_IDENTITY = {"beam", "gemma4", "gemma4_dense", "doge", "doge_moe", "zaya", "deepseek_v4", "hy_v4"}
 CUSTOM_MID = {
-    "granite": lambda x, a, block: x + a * 0.22,
     "beam": lambda x, a, block: depth_scaled(a, x, block.attn_residual_add_idx),
-    "minicpm3": lambda x, a, block: x + a * block.residual_scale,
-    "granitemoe": lambda x, a, block: x + a * 0.22,
-    "hyperclovax": lambda x, a, block: x + a * 0.22,
     "doge": lambda x, a, block: block.input_residual * x + a,
     "doge_moe": lambda x, a, block: block.input_residual * x + a,
 }
 SANDWICH_ROUTED = {**SANDWICH, "mlp_activation": None, "mlp_neurons": None}
+
+
+def SCALED(truth, factor="residual_multiplier"):  # noqa: N802
+    """``truth`` whose contributions the block multiplies by its attribute ``factor`` as it adds them."""
+    return {**truth, **{name: (*truth[name], factor) for name in ("attention_output", "mlp_output")}}
 
 
 def tiny(model_type, **changes):
@@ -197,16 +201,14 @@ CASES = {
     "afmoe": (tiny("afmoe"), lambda i: AFMOE if i == 0 else {**AFMOE, "mlp_activation": None, "mlp_neurons": None},
               seq, False),  # num_dense_layers=1
     "flex_olmo": (tiny("flex_olmo"), {**NO_PRE_NORM, "mlp_activation": None, "mlp_neurons": None}, seq, False),
-    "granite": (tiny("granite"), LLAMA, lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
-    "granitemoe": (tiny("granitemoe"), {**PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",
-                                                   "post_attention_layernorm", "block_sparse_moe", None, None),
-                                        "mlp_activation": None, "mlp_neurons": None},
-                   lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
-    "minicpm3": (tiny("minicpm3"), LLAMA, lambda x, a, m, e: (x + a * e["block"].residual_scale)
-                 + m * e["block"].residual_scale, False),
-    "hyperclovax": (tiny("hyperclovax"), {**LLAMA, "attention_output": ("post_norm1", "out"),
-                                          "mlp_output": ("post_norm2", "out")},
-                    lambda x, a, m, e: (x + a * 0.22) + m * 0.22, False),
+    # Granite's block adds each sublayer's output times its residual multiplier: the contributions are the products
+    "granite": (tiny("granite"), SCALED(LLAMA), seq, False),
+    "granitemoe": (tiny("granitemoe"), SCALED({**PRE_NORM("input_layernorm", "self_attn", "self_attn.o_proj",
+                                                          "post_attention_layernorm", "block_sparse_moe", None, None),
+                                               "mlp_activation": None, "mlp_neurons": None}), seq, False),
+    "minicpm3": (tiny("minicpm3"), SCALED(LLAMA, "residual_scale"), seq, False),
+    "hyperclovax": (tiny("hyperclovax"), SCALED({**LLAMA, "attention_output": ("post_norm1", "out"),
+                                                 "mlp_output": ("post_norm2", "out")}), seq, False),
     # Gemma-4: per-layer input branch P and the block's layer_scalar (0.7 in the tests); MoE beside the MLP.
     "gemma4": (tiny("gemma4_text"), {**SANDWICH_ROUTED, "P": ("post_per_layer_input_norm", "out")}, gemma4, False),
     "gemma4_dense": (tiny("gemma4_text", enable_moe_block=False, hidden_size_per_layer_input=0), SANDWICH,
@@ -248,16 +250,19 @@ def hook_capture(hf_model, truth, ids):
         for name, where in truth(i).items():
             if where is None:
                 continue
-            path, side = where
+            path, side, *scale = where
             module = block.get_submodule(path) if path else block
+            factor = getattr(block, scale[0]) if scale else None
 
-            def hook(mod, args, kwargs, out=None, key=(i, name), side=side):
+            def hook(mod, args, kwargs, out=None, key=(i, name), side=side, factor=factor):
                 if key in captured:
                     return
                 if side == "in":
                     tensor = args[0] if args else kwargs["hidden_states"]
                 else:
                     tensor = out[int(side[3:])] if side[3:] else first(out)
+                if factor is not None:  # the product the block's code adds to the stream
+                    tensor = tensor * factor
                 captured[key] = tensor.detach().clone()  # a clone: later in-place adds must not change it
 
             if side == "in":
@@ -359,7 +364,13 @@ def assert_placed_as_hooks(saved, expected, at, layers):
 
 
 def register_edit(hf_model, module, side, edit):
-    """A hook that applies ``edit`` to the module's input or output tensor (the first element of a tuple)."""
+    """A hook that applies ``edit`` to the module's input or output tensor (the first element of a tuple); a side
+    ``"out*r"`` (``module_of``'s, for a value the block multiplies by ``r``) edits the product the block adds and
+    hands the module the changed elements divided by ``r``, the others as they were (plus a zero through which the
+    gradient reaches the product)."""
+    side, _, factor = side.partition("*")
+    if factor:
+        edit = scaled_edit(edit, float(factor))
     if side == "in":
         def pre(mod, args, kwargs):
             if args:
@@ -385,8 +396,10 @@ def run_with_hook(hf_model, module, side, edit, ids=IDS):
 
 
 def module_of(hf_model, truth, layer, name):
-    path, side = truth(layer)[name]
+    path, side, *scale = truth(layer)[name]
     block = hf_model.base_model_blocks[layer]
+    if scale:
+        side = f"{side}*{getattr(block, scale[0])!r}"
     return (block.get_submodule(path) if path else block), side
 
 

@@ -85,6 +85,9 @@ def granite_truth(blocks):
     def values(i):
         found = {**at(i), "mlp_input": ("post_attention_layernorm", "out")}
         del found["mlp_output"]
+        for name in ("attention_output", "mixer_output"):  # the block adds them times its residual multiplier
+            if found[name] is not None:
+                found[name] = (*found[name], "residual_multiplier")
         return found
     return values
 
@@ -92,14 +95,12 @@ def granite_truth(blocks):
 x_a = lambda x, a, block: x + a  # noqa: E731
 a_x = lambda x, a, block: a + x  # noqa: E731
 mid_m = lambda mid, m, block: mid + m  # noqa: E731
-SCALED = (lambda x, a, block: x + a * block.residual_multiplier,
-          lambda mid, m, block: mid + m * block.residual_multiplier)
 SHORT_CONV = "a short convolution"
 # case -> (model type, truth, the stream after the mixer's add, the block's output, mixer kind on its other blocks)
 CASES = {
     "jamba": ("jamba", FEED_FORWARD, x_a, mid_m, "a Mamba layer"),
     "bamba": ("bamba", FEED_FORWARD, x_a, mid_m, "a Mamba-2 layer"),
-    "granitemoehybrid": ("granitemoehybrid", granite_truth, *SCALED, "a Mamba-2 layer"),
+    "granitemoehybrid": ("granitemoehybrid", granite_truth, x_a, mid_m, "a Mamba-2 layer"),
     "qwen3_next": ("qwen3_next", QWEN, x_a, mid_m, DELTANET),
     "qwen3_5": ("qwen3_5_text", QWEN, x_a, mid_m, DELTANET),
     "qwen3_5_moe": ("qwen3_5_moe_text", QWEN, x_a, mid_m, DELTANET),
@@ -171,8 +172,9 @@ def test_granite_hybrid_mlp_output_is_the_experts_plus_the_shared_mlp(dtype):
     finally:
         for handle in handles:
             handle.remove()
-    for i in range(model.num_layers):
-        assert torch.equal(saved[(i, "mlp_output")], captured[(i, "block_sparse_moe")] + captured[(i, "shared_mlp")])
+    for i, block in enumerate(hf.base_model_blocks):  # what the block adds: the sum times its residual multiplier
+        assert torch.equal(saved[(i, "mlp_output")],
+                           (captured[(i, "block_sparse_moe")] + captured[(i, "shared_mlp")]) * block.residual_multiplier)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -219,26 +221,28 @@ def test_a_mixer_block_reads_in_forward_order_only():
 def test_edits_of_the_mixer_reach_the_logits_as_hooks_do(case):
     model, hf, at, *_ = make(case)
     block = mixers(hf).index("other")
-    mixer, _ = at(block)["mixer_output"]
+    mixer = at(block)["mixer_output"][0]
+
+    def zero(t, position):
+        t = t.clone()
+        t[:, position] = 0
+        return t
+
     with torch.no_grad(), model.trace(IDS):
         clean = model.logits.save()
     with torch.no_grad(), model.trace(IDS):
         model.layers[block].mixer_output[:, -1] = 0  # in place
-        model.layers[block].mlp.mlp_output = model.layers[block].mlp.mlp_output * 0.5  # assigned
+        model.layers[block].mlp.mlp_output = zero(model.layers[block].mlp.mlp_output, 1)  # assigned
         edited = model.logits.save()
 
-    def zero_last(t):
-        t = t.clone()
-        t[:, -1] = 0
-        return t
-
     blocks = hf.base_model_blocks
-    # Granite-4.0-H sums two modules' outputs: halving each is halving the sum, bit for bit (a power of two)
-    halved = [at(block)["mlp_output"][0]] if "mlp_output" in at(block) else ["block_sparse_moe", "shared_mlp"]
-    handles = [register_edit(hf, blocks[block].get_submodule(mixer), "out", zero_last)]
-    handles += [register_edit(hf, blocks[block].get_submodule(path), "out", lambda t: t * 0.5) for path in halved[1:]]
+    # Granite-4.0-H sums two modules' outputs (and scales the sum): zeroing a position of each zeroes it in what the
+    # block adds, bit for bit
+    zeroed = [at(block)["mlp_output"][0]] if "mlp_output" in at(block) else ["block_sparse_moe", "shared_mlp"]
+    handles = [register_edit(hf, blocks[block].get_submodule(mixer), "out", lambda t: zero(t, -1))]
+    handles += [register_edit(hf, blocks[block].get_submodule(path), "out", lambda t: zero(t, 1)) for path in zeroed[1:]]
     try:
-        expected = run_with_hook(hf, blocks[block].get_submodule(halved[0]), "out", lambda t: t * 0.5)
+        expected = run_with_hook(hf, blocks[block].get_submodule(zeroed[0]), "out", lambda t: zero(t, 1))
     finally:
         for handle in handles:
             handle.remove()
@@ -394,8 +398,11 @@ def test_granite_hybrid_without_experts_reads_the_shared_mlp():
     hf = build_tiny(config)
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())
     hf.base_model_blocks = model.layers._module
-    at = truth("input_layernorm", "post_attention_layernorm", "shared_mlp", "shared_mlp.activation",
-               "shared_mlp.output_linear")(hf.base_model_blocks)
+    plain = truth("input_layernorm", "post_attention_layernorm", "shared_mlp", "shared_mlp.activation",
+                  "shared_mlp.output_linear")(hf.base_model_blocks)
+    scaled = ("attention_output", "mixer_output", "mlp_output")  # the block adds them times its residual multiplier
+    at = lambda i: {name: (*where, "residual_multiplier") if name in scaled and where else where  # noqa: E731
+                    for name, where in plain(i).items()}
     expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     for i in range(model.num_layers):
         assert {key.rpartition(".")[2] for key in model.order(i, aliases=True)} == {n for n, w in at(i).items() if w is not None}

@@ -23,20 +23,21 @@ from nnterp.families import BY_MODEL_TYPE
 from nnterp.proof.miniature import miniature_config
 
 from ..conftest import build_tiny, perturb, tiny_tokenizer
-from ..hooks import capture_once, logits_with_edit
+from ..hooks import capture_once, logits_with_edit, scaled_edit
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])  # 7 positions: two lightning blocks of 4
 DTYPES = [torch.float32, torch.bfloat16]
 
 # value key -> (module relative to the block, side): every block
+# (a third element: the block attribute the block multiplies the tensor by as it adds it; the value is the product)
 SHARED_AT = {"layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
              "layer_mid": ("post_attention_layernorm", "in"), "mlp_norm_output": ("post_attention_layernorm", "out"),
-             "mlp_input": ("mlp", "in"), "mlp.mlp_output": ("mlp", "out"), "layer_output": ("", "out")}
+             "mlp_input": ("mlp", "in"), "mlp.mlp_output": ("mlp", "out", "mlp_beta_factor"), "layer_output": ("", "out")}
 # softmax-attention blocks: the attention's output and the heads' outputs before o_proj
 FULL_AT = {**SHARED_AT, "self_attn.attention_premix": ("self_attn.o_proj", "in"),
-           "self_attn.attention_output": ("self_attn", "out")}
+           "self_attn.attention_output": ("self_attn", "out", "attn_beta_factor")}
 # lightning-attention blocks: its output is the token mixer's contribution
-LINEAR_AT = {**SHARED_AT, "mixer_output": ("self_attn", "out")}
+LINEAR_AT = {**SHARED_AT, "mixer_output": ("self_attn", "out", "attn_beta_factor")}
 
 # name -> (model type, the truth's places by the block's layer type)
 CASES = {"minimax": ("minimax", {"full_attention": FULL_AT, "linear_attention": LINEAR_AT})}
@@ -58,9 +59,10 @@ def capture(hf_model, ids=IDS):
 
 
 def block_adds(block, v, mixer):
-    """MiniMax's block arithmetic, from the hooks' tensors and the block module's own factors."""
-    mid = v["attention_norm_output"] * block.attn_alpha_factor + v[mixer] * block.attn_beta_factor
-    out = v["mlp_norm_output"] * block.mlp_alpha_factor + v["mlp.mlp_output"] * block.mlp_beta_factor
+    """MiniMax's block arithmetic, from the hooks' tensors (the contributions times their β already) and the block
+    module's own factors."""
+    mid = v["attention_norm_output"] * block.attn_alpha_factor + v[mixer]
+    out = v["mlp_norm_output"] * block.mlp_alpha_factor + v["mlp.mlp_output"]
     return torch.equal(v["layer_mid"], mid) and torch.equal(v["layer_output"], out)
 
 
@@ -133,10 +135,11 @@ EDITS = [(2, "layer_input"), (1, "attention_norm_output"), (2, "self_attn.attent
 @pytest.mark.parametrize(("layer", "key"), EDITS)
 def test_an_edit_reaches_the_model_as_the_same_edit_by_a_hook(layer, key):
     model, hf_model = make()
-    path, side = places(hf_model, layer)[key]
+    path, side, *scale = places(hf_model, layer)[key]
     block = hf_model.model.layers[layer]
+    edit = lambda t: t * 0.5 + 0.25  # noqa: E731
     expected = logits_with_edit(hf_model, block.get_submodule(path) if path else block, side,
-                                lambda t: t * 0.5 + 0.25, IDS)
+                                scaled_edit(edit, getattr(block, scale[0])) if scale else edit, IDS)
     owner, _, name = key.rpartition(".")
     with torch.no_grad(), model.trace(IDS):  # in place
         at = getattr(model.layers[layer], owner) if owner else model.layers[layer]

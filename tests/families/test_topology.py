@@ -27,11 +27,13 @@ from ..families.test_families import IDS, hook_capture, hooks_and_reads, read_al
 
 
 def granite_shared_truth(block):
-    """Granite-MoE-shared: mlp_output = block_sparse_moe(h) + shared_mlp(h), summed in the block (no module returns it)."""
+    """Granite-MoE-shared: the block adds its sublayers' outputs times its residual multiplier; mlp_output =
+    (block_sparse_moe(h) + shared_mlp(h)) * r, summed in the block (no module returns it)."""
+    r = "residual_multiplier"
     return {
         "layer_input": ("", "in"), "attention_norm_output": ("input_layernorm", "out"),
-        "attention_premix": ("self_attn.o_proj", "in"), "attention_output": ("self_attn", "out"),
-        "mixer_output": ("self_attn", "out"), "layer_mid": ("post_attention_layernorm", "in"),
+        "attention_premix": ("self_attn.o_proj", "in"), "attention_output": ("self_attn", "out", r),
+        "mixer_output": ("self_attn", "out", r), "layer_mid": ("post_attention_layernorm", "in"),
         "mlp_norm_output": ("post_attention_layernorm", "out"), "mlp_input": ("block_sparse_moe", "in"),
         "mlp_activation": None, "mlp_neurons": None, "layer_output": ("", "out"),
         "moe": ("block_sparse_moe", "out"), "shared": ("shared_mlp", "out"), "shared_input": ("shared_mlp", "in"),
@@ -40,7 +42,7 @@ def granite_shared_truth(block):
 
 def granite_shared_derived(got, block):
     assert torch.equal(got["shared_input"], got["mlp_input"])  # both modules are called with the norm's output
-    return {"mlp_output": got["moe"] + got["shared"]}
+    return {"mlp_output": (got["moe"] + got["shared"]) * block.residual_multiplier}
 
 
 def griffin_truth(block):
@@ -107,7 +109,7 @@ def tiny(model_type):
     return lambda: BY_MODEL_TYPE[model_type].tiny_config()
 
 
-scaled = (lambda x, a, b: x + a * b.residual_multiplier, lambda mid, m, b: mid + m * b.residual_multiplier)
+scaled = (lambda x, a, b: x + a, lambda mid, m, b: mid + m)  # the contributions are the products the block adds
 # case -> (config, truth, derived values, the stream after the mixer's add, the block's output: both in the code's order)
 CASES = {
     "granitemoeshared": (tiny("granitemoeshared"), granite_shared_truth, granite_shared_derived, *scaled),
@@ -335,7 +337,7 @@ def test_granite_shared_without_a_shared_mlp_reads_the_mixture():
     hf.base_model_blocks = model.layers._module
     assert hf.base_model_blocks[0].shared_mlp is None
     at = lambda i: {**{k: v for k, v in granite_shared_truth(None).items() if k not in ("shared", "shared_input", "moe")},  # noqa: E731
-                    "mlp_output": ("block_sparse_moe", "out")}
+                    "mlp_output": ("block_sparse_moe", "out", "residual_multiplier")}
     expected, saved, logits = hooks_and_reads(model, hf, at, IDS)
     for i in range(model.num_layers):
         for name, where in at(i).items():

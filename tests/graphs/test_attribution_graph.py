@@ -119,8 +119,11 @@ class Replacement:
         return out if self.W_skip[i] is None else out + x @ self.W_skip[i].double().T
 
     def _place(self, i, name):
-        path, side = self.truth(i)[name]
-        return (self.blocks[i].get_submodule(path) if path else self.blocks[i]), side
+        """(module, side, factor): a truth's third element names the block attribute the block multiplies the
+        module's tensor by as it adds it (Granite's residual multiplier), which the value includes."""
+        path, side, *scale = self.truth(i)[name]
+        factor = float(getattr(self.blocks[i], scale[0])) if scale else 1.0
+        return (self.blocks[i].get_submodule(path) if path else self.blocks[i]), side, factor
 
     def _pass(self, record=False, acts=None, errors=None, zero_tokens=()):
         got = {"softmaxes": [], "scales": {}, "inputs": {}, "outputs": {}}
@@ -151,7 +154,7 @@ class Replacement:
                 return (y, *out[1:]) if isinstance(out, tuple) else y
             handles.append(module.register_forward_hook(norm_hook, with_kwargs=True))
         for i in range(self.n):
-            module, side = self._place(i, self.input_value)
+            module, side, _ = self._place(i, self.input_value)
 
             def read_input(x, i=i, module=module):
                 x = x.to(torch.float64, copy=True).reshape(self.ids.shape[1], -1)
@@ -165,15 +168,17 @@ class Replacement:
             else:
                 handles.append(module.register_forward_pre_hook(
                     lambda m, a, k, read=read_input: read(a[0] if a else k["hidden_states"]), with_kwargs=True))
-            module, _ = self._place(i, "mlp_output")
+            module, _, factor = self._place(i, "mlp_output")
 
-            def replace(m, a, out, i=i):
+            def replace(m, a, out, i=i, factor=factor):
                 tensor = _first(out)
-                # a copy: a block may add to its MLP's output in place (Falcon's parallel blocks)
-                got["outputs"][i] = tensor.to(torch.float64, copy=True).reshape(self.ids.shape[1], -1)
+                # a copy: a block may add to its MLP's output in place (Falcon's parallel blocks); the value is what
+                # the block adds (times its factor), and the transcoder's output is handed back through it
+                got["outputs"][i] = tensor.to(torch.float64, copy=True).reshape(self.ids.shape[1], -1) * factor
                 if record:
                     return out
-                new = (self._decode(i, acts, got["inputs"][i]) + errors[i]).reshape(tensor.shape).to(tensor.dtype)
+                new = (self._decode(i, acts, got["inputs"][i]) + errors[i]) / factor
+                new = new.reshape(tensor.shape).to(tensor.dtype)
                 return (new, *out[1:]) if isinstance(out, tuple) else new
             handles.append(module.register_forward_hook(replace))
 

@@ -21,7 +21,7 @@ from nnterp.analysis import AnalysisUnavailable
 from nnterp.families import BY_MODEL_TYPE
 
 from ..conftest import build_tiny, tiny_tokenizer
-from ..families.test_families import IDS, hook_capture, make, seq
+from ..families.test_families import IDS, hook_capture, make
 
 # sequential, parallel in each order of addition, residual adds inside the modules (BLOOM, MPT), a flattened
 # MLP (OPT), GQA and MQA, biased projections and norms, Gemma's 1 + weight, OLMo's parameter-free norm, Granite's
@@ -30,7 +30,9 @@ CASES = ["gpt2", "gpt_bigcode", "gptj", "gpt_neox_parallel", "gpt_neox_sequentia
          "falcon_7b_parallel", "falcon_40b_two_norms", "opt", "phi", "llama", "qwen2", "gemma", "olmo", "gemma2",
          "granite", "mixtral", "cohere", "phi3"]
 MATRIX = [(case, torch.float32) for case in CASES] + [("llama", torch.bfloat16), ("gpt2", torch.bfloat16)]
-FACTOR = {"granite": 0.22}  # residual_multiplier: a contribution as it reaches the stream is the value times it
+# Granite's block adds its projections' outputs times residual_multiplier: its contributions (the hooks' truth
+# too) are those products, and a head's or neuron's row is its projection's share times it
+FACTOR = {"granite": 0.22}
 SOFTCAPPED = {"gemma2"}
 NO_HEADS = {"gemma2"}  # the contributions are the outputs of norms after the sublayers
 NO_NEURONS = {"gemma2", "mixtral"}
@@ -97,16 +99,14 @@ def test_decomposition_is_the_hooked_contributions_and_adds_up_to_the_stream(cas
     stack, labels = r.cache.decompose_resid(return_labels=True)
     assert labels == ["embed", *[f"{i}_{part}" for i in range(r.n) for part in ("attn_out", "mlp_out")]]
     assert torch.equal(stack[0], hooked(r, 0, "layer_input"))
-    factor = FACTOR.get(case)
     for i in range(r.n):
         a, m = hooked(r, i, "attention_output"), hooked(r, i, "mlp_output")
-        assert torch.equal(stack[1 + 2 * i], a * factor if factor else a), f"layer {i} attention"
-        assert torch.equal(stack[2 + 2 * i], m * factor if factor else m), f"layer {i} MLP"
+        assert torch.equal(stack[1 + 2 * i], a), f"layer {i} attention"
+        assert torch.equal(stack[2 + 2 * i], m), f"layer {i} MLP"
     # added in the family's own order (the matrix's formula), the components are the hooked stream, bit for bit
-    order = seq if factor else r.formula
     stream = stack[0]
     for i in range(r.n):
-        stream = order(stream, stack[1 + 2 * i], stack[2 + 2 * i], {})
+        stream = r.formula(stream, stack[1 + 2 * i], stack[2 + 2 * i], {})
     assert torch.equal(stream, final_stream(r))
     assert torch.equal(r.cache.recompose_resid(stack), final_stream(r))
     torch.testing.assert_close(stack.float().sum(0), final_stream(r).float(), **close(dtype))
@@ -195,7 +195,7 @@ def test_head_results_are_the_heads_slices_and_sum_to_the_hooked_attention_outpu
             expected = torch.nn.functional.linear(alone.flatten(-2), weight) * factor
             torch.testing.assert_close(heads[i * count + h], expected, rtol=1e-5, atol=1e-6)
         total = heads[i * count:(i + 1) * count].sum(0) + (0 if bias is None else bias * factor)
-        torch.testing.assert_close(total, hooked(r, i, "attention_output") * factor, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total, hooked(r, i, "attention_output"), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(total, rows[f"{i}_attn_out"], rtol=1e-5, atol=1e-5)  # the layer's own row
     with_rest = r.cache.stack_head_results(incl_remainder=True)
     torch.testing.assert_close(with_rest.sum(0), final_stream(r), rtol=1e-5, atol=1e-5)
@@ -215,7 +215,7 @@ def test_neuron_results_sum_to_the_hooked_mlp_output(case):
         activations = hooked(r, i, "mlp_neurons")
         torch.testing.assert_close(neurons[i * width + 3], activations[..., 3, None] * weight[:, 3] * factor)
         total = neurons[i * width:(i + 1) * width].sum(0) + (0 if bias is None else bias * factor)
-        torch.testing.assert_close(total, hooked(r, i, "mlp_output") * factor, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total, hooked(r, i, "mlp_output"), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(total, rows[f"{i}_mlp_out"], rtol=1e-5, atol=1e-5)
     some, labels = r.cache.stack_neuron_results(2, neuron_slice=[0, 5], pos_slice=-1, return_labels=True)
     assert labels == ["L0N0", "L0N5", "L1N0", "L1N5"] and some.shape == (4, len(IDS), r.model.hidden_size)
