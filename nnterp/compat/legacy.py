@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from ..core.edits import skip_layers as _skip_layers
+from ..core.loading import STANDARD_MODULES
 
 
 def deprecated(old: str, new: str, stacklevel: int = 3) -> None:
@@ -259,7 +260,6 @@ RENAME_FIELDS = {"model_name": "model", "layers_name": "layers", "attn_name": "s
                  "ln_final_name": "ln_final", "lm_head_name": "lm_head"}
 RENAME_OPTIONS = {"model_rename": "model", "layers_rename": "layers", "attn_rename": "self_attn",
                   "mlp_rename": "mlp", "ln_final_rename": "ln_final", "lm_head_rename": "lm_head"}
-STANDARD_MODULES = ("model", "layers", "embed_tokens", "self_attn", "mlp", "ln_final", "lm_head")
 # RenameConfig's config keys, by the model attribute they set
 CONFIG_KEYS = {"attn_head_config_key": "num_heads", "hidden_size_config_key": "hidden_size",
                "vocab_size_config_key": "vocab_size"}
@@ -309,8 +309,17 @@ def pop_renames(kwargs: dict) -> tuple[list[tuple[str, str, str]], object]:
     if config is not None:
         claims += [(f"RenameConfig({field}={name!r})", name, alias) for field, alias in RENAME_FIELDS.items()
                    for name in _names(getattr(config, field))]
-    claims += [(f"rename={{{native!r}: {alias!r}}}", native, alias)
-               for native, aliases in (kwargs.pop("rename", None) or {}).items() for alias in _names(aliases)]
+    # rename= as 1.x took it gives a standard name; any other alias is the user's own, as nnsight takes it (left in
+    # kwargs for the core, which adds it beside the standard names)
+    own: dict = {}
+    for native, aliases in (kwargs.pop("rename", None) or {}).items():
+        for alias in _names(aliases):
+            if alias.rpartition(".")[2] in STANDARD_MODULES:
+                claims.append((f"rename={{{native!r}: {alias!r}}}", native, alias))
+            else:
+                own.setdefault(native, []).append(alias)
+    if own:
+        kwargs["rename"] = own
     return claims, config
 
 

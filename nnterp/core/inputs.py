@@ -27,6 +27,12 @@ def _is_empty(data) -> bool:
     return isinstance(data, torch.Tensor) and data.numel() == 0
 
 
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
 def refuse_empty(inputs: tuple) -> None:
     """An invoke given an empty list or tensor: nnsight would take it for parameters only and fail later."""
     if inputs and _is_empty(inputs[0]):
@@ -50,8 +56,8 @@ def position_limit(model: PreTrainedModel) -> int | None:
 def check_batch(model: PreTrainedModel, kwargs: dict, limit: int | None) -> None:
     """Refuse a batched forward input that would fail inside the model."""
     ids = kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.device.type == "meta":
-        return
+    if not isinstance(ids, torch.Tensor) or ids.device.type == "meta" or _is_fake(ids):
+        return  # no values to check: weightless, or nnsight's scan (fake tensors, shapes only)
     if ids.shape[-1] == 0:
         raise BadInput("A prompt is empty: the tokenizer gave it no tokens (and adds no beginning-of-text token). "
                        "Pass at least one token.")

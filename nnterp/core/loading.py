@@ -58,8 +58,18 @@ def load(cls: type, model, tokenizer, validate: bool, dispatch: bool, from_pretr
             "them. Load it by name or folder with StandardizedTransformer(name, dispatch=False) to build it "
             "without weights and load them on first use."
         )
-    if tokenizer is None:
-        raise ValueError("A model object needs its tokenizer: StandardizedTransformer(model, tokenizer=tok).")
+    if tokenizer is None:  # as nnsight finds it: from the name or folder the model was loaded from
+        source = getattr(model, "name_or_path", "") or ""
+        if not source:
+            raise ValueError("A model object needs its tokenizer: StandardizedTransformer(model, tokenizer=tok) (this "
+                             "model has no name_or_path to load one from).")
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+            if not tokenizer.vocab_size:  # transformers builds an empty one from a folder without tokenizer files
+                raise ValueError("it holds no vocabulary")
+        except (OSError, ValueError) as error:
+            raise ValueError(f"No tokenizer could be loaded from the model's name_or_path {source!r} ({error}): pass "
+                             "one with StandardizedTransformer(model, tokenizer=tok).") from None
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer)
     family = family_of(config, architecture.__name__) if lazy else family_of(model.config, type(model).__name__)
@@ -176,3 +186,37 @@ def _load_whole(architecture: type[transformers.PreTrainedModel], name, family: 
             "other names: pass key_mapping={regex: replacement} to rename them as the model names them."
         )
     return model
+
+
+# the module names every family gives (nnsight aliases of the native ones)
+STANDARD_MODULES = ("model", "layers", "embed_tokens", "self_attn", "mlp", "ln_final", "lm_head")
+
+
+def with_aliases(standard: dict, own: dict | None, cls: type) -> dict:
+    """nnsight's ``rename``: the family's standard names (``standard``) and the user's own aliases (``own``, as
+    nnsight's ``rename=`` takes them: ``{native name or path: alias or [aliases]}``), each native module reachable by
+    all of them. An alias that is already a name of the model or its envoys (a standard module or value, a method)
+    is refused, saying which: it would hide that name."""
+    if not own:
+        return standard
+    if not isinstance(own, dict):
+        raise TypeError(f"rename= takes a dict {{native name: alias}}, as nnsight's does; got {type(own).__name__}.")
+    from ..spec.catalog import CATALOG
+    from .envoys import AttentionEnvoy, BlockEnvoy, LayersEnvoy, MLPEnvoy
+
+    values = {value.name for value in CATALOG}
+    public = {name for owner in (cls, BlockEnvoy, AttentionEnvoy, MLPEnvoy, LayersEnvoy) for name in dir(owner)
+              if not name.startswith("_")}
+    merged = dict(standard)
+    for native, aliases in own.items():
+        for alias in [aliases] if isinstance(aliases, str) else list(aliases):
+            name = alias.rpartition(".")[2]
+            what = ("a standard module name" if name in STANDARD_MODULES else "a standard value" if name in values
+                    else "a name the model or its envoys already have" if name in public else None)
+            if what is not None:
+                raise ValueError(f"rename={{{native!r}: {alias!r}}}: {name!r} is {what} in nnterp, so the alias "
+                                 "would hide it. Choose another alias (the standard names are there already).")
+            have = merged.get(native)
+            merged[native] = [*([] if have is None else [have] if isinstance(have, str) else have), alias]
+    return merged
+

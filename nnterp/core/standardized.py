@@ -23,7 +23,7 @@ from . import inputs
 from .attention_values import AttentionValues
 from .engine import Slot, Values, envoy_at
 from .envoys import AttentionEnvoy, BlockEnvoy, BlockWithMLPEnvoy, LayersEnvoy, MLPEnvoy, SublayerEnvoy
-from .loading import has_module, load
+from .loading import has_module, load, with_aliases
 from .order import Availability, AvailabilityTable, ValueOrder, forward_events, summary
 from .readout import Readout
 from .remote import RemoteExecution
@@ -39,7 +39,9 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
 
     ``StandardizedTransformer("org/name" or "/local/folder", **from_pretrained_kwargs)`` loads a
     model and its tokenizer; ``StandardizedTransformer(model, tokenizer=tok)`` wraps one that is
-    already built. Either way the model is put in eval mode.
+    already built (without ``tokenizer``, it is loaded from the model's ``name_or_path``). Either way
+    the model is put in eval mode. ``rename={native name: alias}`` adds aliases of your own, as
+    nnsight's does, beside the standard names (an alias that would hide one is refused).
 
     ``validate=True`` (the default) proves the family spec on a miniature of the model's config
     (same classes, tiny sizes, random weights; never this model's weights) before the values are
@@ -67,6 +69,7 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
         if translate is not None:  # an older API's keywords, in today's terms
             model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs, after = translate(
                 model, tokenizer, validate, attention_values, dispatch, from_pretrained_kwargs)
+        own_aliases = from_pretrained_kwargs.pop("rename", None)  # the user's own, as nnsight takes them
         loaded = load(StandardizedTransformer, model, tokenizer, validate, dispatch, from_pretrained_kwargs)
         model, tokenizer, family, lazy, validated = (loaded.model, loaded.tokenizer, loaded.family, loaded.lazy,
                                                      loaded.validated)
@@ -77,7 +80,7 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
             model,
             tokenizer=tokenizer,
             task="text-generation",
-            rename=family.rename(),
+            rename=with_aliases(family.rename(), own_aliases, StandardizedTransformer),
             envoys={pattern: envoy for blocks in family.block_lists for pattern, envoy in {
                 blocks: LayersEnvoy,
                 f"{blocks}.*": BlockEnvoy if family.mlp else BlockWithMLPEnvoy,

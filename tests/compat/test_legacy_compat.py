@@ -146,7 +146,6 @@ def test_rename_options_that_contradict_the_spec_are_refused_naming_both(tmp_pat
         "transformer.h.*.attn: the two contradict": dict(attn_rename="mlp"),
         "RenameConfig(ln_final_name='ln_1') names no module": dict(rename_config=RenameConfig(ln_final_name="ln_1")),
         "gives num_heads 5, but the model's is 4": dict(rename_config=RenameConfig(attn_head_config_key=5)),
-        "gives 'c_attn' your own name 'query'": dict(rename={"c_attn": "query"}),
         "RenameConfig(attn_prob_source=) is not taken": dict(rename_config=RenameConfig(attn_prob_source=locator())),
     }
     assert hf_model.config.n_head == 4

@@ -632,3 +632,26 @@ def test_several_values_per_generation_step_are_the_hooks_at_each_step(case):
     for n, step in enumerate(read):
         for name in names:
             assert torch.equal(step[name], calls[name][n].reshape(step[name].shape)), (n, name)
+
+
+@pytest.mark.parametrize("case", ["granite", "minicpm3", "hyperclovax"])
+def test_the_proof_refuses_a_contribution_the_identity_scales(case):
+    """A contribution is what the block adds: the spec that served the sublayer's own output and carried the factor
+    in the identity (Granite's before) satisfies its identity bit for bit, and the proof still refuses it."""
+    import dataclasses
+
+    from nnterp.core.validation import problems_of
+    from nnterp.spec.identity import A, M, Sum, X
+
+    model, hf_model, *_ = make(case, torch.float32)
+    assert problems_of(model) == []
+    factor = next(view.attribute for view in model.location(1, "attention_output").views)
+    right = model._nnterp_blocks[1]
+    unscaled = {name: dataclasses.replace(right.values[name], views=()) for name in ("attention_output", "mlp_output")}
+    wrong = dataclasses.replace(right, values={**right.values, **unscaled}, identity=Sum((X + A * factor) + M * factor))
+    model._nnterp_blocks = tuple(wrong if i == 1 else b for i, b in enumerate(model._nnterp_blocks))
+    model._unbind()
+    problems = problems_of(model)
+    assert problems and all(p.startswith("layer 1:") for p in problems)
+    assert any(f"the identity adds attention_output * {factor}, not attention_output" in p for p in problems), problems
+    assert not any("the identity fails" in p for p in problems)  # the old spec's arithmetic holds: only the contract
