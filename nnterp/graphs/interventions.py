@@ -49,7 +49,7 @@ def _weighted(model, layer: int, W_enc, b_enc, b_dec, W_skip):
     from ..analysis.norms import _norm_form
     from .replacement import _site
 
-    norm, _ = _site(model, layer, "mlp_norm_output")
+    norm, _, _ = _site(model, layer, "mlp_norm_output")
     try:
         offset = _norm_form(model, norm, W_enc.new_zeros(1, 1, W_enc.shape[0]), f"block {layer}'s MLP norm")[1]
     except AnalysisUnavailable as error:
