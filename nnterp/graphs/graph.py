@@ -124,9 +124,10 @@ def attribution_graph(model, prompt, transcoders: Transcoders, max_n_logits: int
     as circuit-tracer 0.5.0's ``attribute``: one forward pass of the replacement model on ``batch_size`` copies of
     the prompt, and one backward pass per ``batch_size`` targets (features, then logits).
 
-    ``max_feature_nodes`` keeps that many features as nodes, those of most influence on the logits (circuit-tracer
-    ranks them as it visits them; here on the whole graph), their edges to the others dropped; None keeps every
-    active feature. Refused (``GraphUnavailable``) where the replacement would not be exact: a block that is not a
+    ``max_feature_nodes`` keeps that many features as nodes, visited in circuit-tracer's order (``rows``): the
+    logits' rows first, then batches of features in order of their influence on the logits through the rows
+    computed so far; only their rows are computed and held (memory linear in the active features), their edges
+    from the features never visited dropped. None keeps every active feature (the square adjacency of all). Refused (``GraphUnavailable``) where the replacement would not be exact: a block that is not a
     sum of its sublayers, a token mixer that is not attention, a norm that is not one scale per position, a pass
     that is still not linear in the stream once frozen.
 

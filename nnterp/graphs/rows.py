@@ -25,13 +25,13 @@ class Rows:
         self.n_layers, self.n_pos = len(run.inputs), run.embeddings.shape[1]
         self.n_feat = len(active)
         self.sources = self.n_feat + self.n_layers * self.n_pos + self.n_pos
-        self.places: dict[tuple[int, int], torch.Tensor] = {}  # (layer, pos) -> the indices of its active features
+        # (layer, pos, start, end): the active features, sorted by (layer, pos, feature), of each place are a range
+        self.places: list[tuple[int, int, int, int]] = []
         if self.n_feat:
-            places, inverse = torch.unique(active[:, :2], dim=0, return_inverse=True)
-            order = torch.argsort(inverse, stable=True)
-            counts = torch.bincount(inverse, minlength=len(places)).tolist()
-            for (layer, pos), indices in zip(places.tolist(), torch.split(order, counts)):
-                self.places[(layer, pos)] = indices
+            places, counts = torch.unique_consecutive(active[:, :2], dim=0, return_counts=True)
+            ends = torch.cumsum(counts, 0)
+            for (layer, pos), end, count in zip(places.tolist(), ends.tolist(), counts.tolist()):
+                self.places.append((layer, pos, end - count, end))
         self.embeddings = run.embeddings[0].detach()
 
     def features(self, indices: torch.Tensor) -> torch.Tensor:
@@ -60,18 +60,21 @@ class Rows:
         embed_grad = torch.zeros_like(run.embeddings[:count]) if grads[-1] is None else grads[-1][:count]
         # a feature's edge: the gradient at each output it writes to, dotted with activation * its decoder row
         # (per source layer and position, a product with the decoder rows of its active features alone)
-        feature_edges = torch.zeros(count, self.n_feat, dtype=self.activation_values.dtype,
-                                    device=self.activation_values.device)
-        for (source, pos), here in self.places.items():
-            features = self.active[here, 2]
+        block = torch.zeros(count, self.sources, dtype=self.activation_values.dtype,
+                            device=self.activation_values.device)
+        feature_edges = block[:, :self.n_feat]
+        for source, pos, start, end in self.places:
+            features = self.active[start:end, 2]
             written = range(source, self.n_layers) if self.transcoders.cross_layer else (source,)
             for target in written:
                 decoder = self.transcoders.decoder(source, target)[features]  # [n_here, d_model]
-                feature_edges[:, here] += site_grads[target][:, pos] @ decoder.T
+                feature_edges[:, start:end] += site_grads[target][:, pos] @ decoder.T
         feature_edges *= self.activation_values
-        error_edges = torch.stack([(g * e).sum(-1) for g, e in zip(site_grads, run.errors)], 1).flatten(1)
-        token_edges = (embed_grad * self.embeddings).sum(-1)
-        return torch.cat([feature_edges, error_edges, token_edges], 1).float().cpu()
+        errors = block[:, self.n_feat:self.n_feat + self.n_layers * self.n_pos].view(count, self.n_layers, self.n_pos)
+        for layer, (g, e) in enumerate(zip(site_grads, run.errors)):
+            errors[:, layer] = (g * e).sum(-1)
+        block[:, self.sources - self.n_pos:] = (embed_grad * self.embeddings).sum(-1)
+        return block.float().cpu()
 
 
 def all_rows(rows: Rows, batch_size: int) -> torch.Tensor:
