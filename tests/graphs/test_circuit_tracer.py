@@ -2,8 +2,8 @@
 
 circuit-tracer runs in its own venv (``tests/graphs/circuit_tracer/setup.sh``: it needs transformers 4.57 and
 nnsight 0.6), on its nnsight backend: ``reference.py`` builds the model there, saves it, reads the transcoders this
-test writes with circuit-tracer's loader, and saves its graph, its pruning and its graph files. Without the venv the
-test skips, saying how to make it.
+test writes with circuit-tracer's loader, and saves its graph, its graph with ``max_feature_nodes`` (the features it
+visits), its pruning and its graph files. Without the venv the test skips, saying how to make it.
 """
 
 from __future__ import annotations
