@@ -7,10 +7,13 @@ does; the transcoders are ``write_random_transcoders``'s (JumpReLU, reading ``ho
 subprocess of its own (circuit-tracer's in ``.circuit-tracer-venv``): the median wall time of ``--rounds`` graphs
 after one uncounted one, and the peak resident memory the graphs added (``resource.getrusage``'s maxrss after them,
 less the resident memory before the first). CPU, one thread, ``batch_size`` 256 on both sides.
-Then nnterp's alone: the prompt's length (8 to 64 tokens, 64 features a layer) and the transcoders' width
+First the graph with every feature kept (9 and 16 tokens), then the graphs of real prompts' size: 16 tokens,
+``d_transcoder`` 512 to 4096 (about 10,000 to 80,000 active features), ``max_feature_nodes=2048`` on both sides
+(their features visited in circuit-tracer's order), and nnterp's graph with every feature kept where its square
+adjacency fits (up to about 30,000 features: 3.7 GB). Then nnterp's alone: the prompt's length (8 to 64 tokens, 64 features a layer) and the transcoders' width
 (``d_transcoder`` 64 to 1024, 16 tokens). Without circuit-tracer's venv (``tests/graphs/circuit_tracer/setup.sh``)
 the comparison is left out.
-Usage: ``python benchmarks/graphs.py [--rounds 2]``.
+Usage: ``python benchmarks/graphs.py [--rounds 2]`` (the large graphs are measured over one round).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ REFERENCE = ROOT / "tests" / "graphs" / "circuit_tracer"
 CIRCUIT_TRACER = Path(os.environ.get("CIRCUIT_TRACER_VENV", ROOT / ".circuit-tracer-venv")) / "bin" / "python"
 HOOKS = {"feature_input_hook": "hook_resid_mid", "feature_output_hook": "mlp.hook_out"}
 BATCH = 256
+CAP = 2048  # max_feature_nodes of the large graphs
 
 
 def prompt_of(n_tokens: int) -> str:
@@ -84,7 +88,7 @@ def build_model(folder: Path) -> None:
     tokenizer().save_pretrained(folder / "model")
 
 
-def child_circuit_tracer(folder: Path, transcoders: Path, n_tokens: int, rounds: int) -> dict:
+def child_circuit_tracer(folder: Path, transcoders: Path, n_tokens: int, rounds: int, cap: int | None) -> dict:
     import torch
     import yaml
     from circuit_tracer import ReplacementModel, attribute
@@ -101,12 +105,12 @@ def child_circuit_tracer(folder: Path, transcoders: Path, n_tokens: int, rounds:
     model = ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), tc, backend="nnsight",
                                                              device=torch.device("cpu"))
     prompt = prompt_of(n_tokens)
-    run = _measure(lambda: attribute(prompt, model, max_n_logits=10, desired_logit_prob=0.95, batch_size=BATCH),
-                   rounds)
+    run = _measure(lambda: attribute(prompt, model, max_n_logits=10, desired_logit_prob=0.95, batch_size=BATCH,
+                                     max_feature_nodes=cap), rounds)
     return run
 
 
-def child_nnterp(folder: Path, transcoders: Path, n_tokens: int, rounds: int) -> dict:
+def child_nnterp(folder: Path, transcoders: Path, n_tokens: int, rounds: int, cap: int | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,14 +122,14 @@ def child_nnterp(folder: Path, transcoders: Path, n_tokens: int, rounds: int) ->
     model = StandardizedTransformer(hf, tokenizer=AutoTokenizer.from_pretrained(folder / "model"))
     tc = load_transcoders(transcoders)
     prompt = prompt_of(n_tokens)
-    run = _measure(lambda: attribution_graph(model, prompt, tc, batch_size=BATCH), rounds)
+    run = _measure(lambda: attribution_graph(model, prompt, tc, batch_size=BATCH, max_feature_nodes=cap), rounds)
     return run
 
 
-def measure(side: str, folder: Path, transcoders: Path, n_tokens: int, rounds: int) -> dict:
+def measure(side: str, folder: Path, transcoders: Path, n_tokens: int, rounds: int, cap: int | None = None) -> dict:
     python = str(CIRCUIT_TRACER) if side == "circuit-tracer" else sys.executable
     done = subprocess.run([python, __file__, "--child", side, str(folder), str(transcoders), str(n_tokens),
-                           str(rounds)], capture_output=True, text=True, cwd=ROOT)
+                           str(rounds), str(cap)], capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{side}'s measurement failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -143,13 +147,14 @@ def transcoders_of(folder: Path, d_transcoder: int) -> Path:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--child", nargs=5, metavar=("SIDE", "FOLDER", "TRANSCODERS", "TOKENS", "ROUNDS"),
+    parser.add_argument("--child", nargs=6, metavar=("SIDE", "FOLDER", "TRANSCODERS", "TOKENS", "ROUNDS", "CAP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        side, folder, transcoders, n_tokens, rounds = args.child
+        side, folder, transcoders, n_tokens, rounds, cap = args.child
         child = child_circuit_tracer if side == "circuit-tracer" else child_nnterp
-        print(json.dumps(child(Path(folder), Path(transcoders), int(n_tokens), int(rounds))))
+        cap = None if cap == "None" else int(cap)
+        print(json.dumps(child(Path(folder), Path(transcoders), int(n_tokens), int(rounds), cap)))
         return
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
@@ -166,6 +171,23 @@ def main():
                       f"time {ours['seconds'] / theirs['seconds']:.2f}x ({ours['seconds']:.3f} s vs "
                       f"{theirs['seconds']:.3f} s), peak memory {ours['peak_mb'] / max(theirs['peak_mb'], 1e-9):.2f}x "
                       f"({ours['peak_mb']:.0f} MB vs {theirs['peak_mb']:.0f} MB)")
+            print(f"\nthe graphs of real prompts' size: 16 tokens, max_feature_nodes={CAP} (nnterp / circuit-tracer), "
+                  "and nnterp's with every feature kept (its time and memory / circuit-tracer's capped graph's)")
+            for d_transcoder in (512, 1024, 1536, 2048, 4096):
+                transcoders = transcoders_of(folder, d_transcoder)
+                theirs = measure("circuit-tracer", folder, transcoders, 16, 1, CAP)
+                ours = measure("nnterp", folder, transcoders, 16, 1, CAP)
+                assert ours["features"] == theirs["features"], (ours, theirs)
+                line = (f"  {ours['features']:6} features (d_transcoder {d_transcoder:4}): capped: time "
+                        f"{ours['seconds'] / theirs['seconds']:.2f}x ({ours['seconds']:.2f} s vs {theirs['seconds']:.2f} s), "
+                        f"peak memory {ours['peak_mb'] / theirs['peak_mb']:.2f}x ({ours['peak_mb']:.0f} MB vs "
+                        f"{theirs['peak_mb']:.0f} MB)")
+                if ours["features"] <= 31_000:  # the square adjacency, 4 bytes an entry
+                    every = measure("nnterp", folder, transcoders, 16, 1)
+                    line += (f"; every feature: time {every['seconds'] / theirs['seconds']:.2f}x "
+                             f"({every['seconds']:.2f} s), peak memory {every['peak_mb'] / theirs['peak_mb']:.2f}x "
+                             f"({every['peak_mb']:.0f} MB)")
+                print(line, flush=True)
         else:
             print(f"\n(no circuit-tracer venv at {CIRCUIT_TRACER.parent.parent}: run tests/graphs/circuit_tracer/"
                   "setup.sh for the comparison)")

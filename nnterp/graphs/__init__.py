@@ -2,7 +2,8 @@
 
 ``load_transcoders(folder)`` reads circuit-tracer's transcoders (per layer or cross layer); ``attribution_graph(model,
 prompt, transcoders)`` builds the graph of the local replacement model (``replacement``: attention patterns and norm
-scales frozen at the pass's values, each MLP replaced by its transcoder plus an error node); ``prune_graph`` and
+scales frozen at the pass's values, each MLP replaced by its transcoder plus an error node) and its rows (``rows``:
+with ``max_feature_nodes``, only the features visited in circuit-tracer's order have one); ``prune_graph`` and
 ``Graph.to_json`` are circuit-tracer's pruning and graph files; ``plot_graph`` draws a pruned graph;
 ``feature_intervention`` (and ``_generate``) edits a graph's features as the model runs.
 """

@@ -19,6 +19,13 @@ def _cantor(x: int, y: int) -> int:
     return (x + y) * (x + y + 1) // 2 + y
 
 
+def error_id(layer: int, pos: int) -> str:
+    """An error node's id: ``err_{layer}_{pos}``. circuit-tracer 0.5.0 writes ``0_{layer}_{pos}``, which is also the
+    id of feature ``layer`` of layer 0 at ``pos``; its frontend keys nodes and links by ``node_id`` alone (and
+    reads a node's layer, position and kind from its own fields), so the ids have to differ."""
+    return f"err_{layer}_{pos}"
+
+
 def nodes_of(graph, node_mask, cumulative, tokenizer) -> dict[int, dict]:
     """The kept nodes, by index, as circuit-tracer's frontend reads them."""
     n_features, n_layers, n_pos = len(graph.selected_features), graph.n_layers, graph.n_pos
@@ -35,7 +42,7 @@ def nodes_of(graph, node_mask, cumulative, tokenizer) -> dict[int, dict]:
                                 influence=influence, activation=float(graph.activation_values[active]))
         elif index < errors_end:
             layer, pos = divmod(index - n_features, n_pos)
-            nodes[index] = dict(node_id=f"0_{layer}_{pos}", feature=-1, layer=str(layer), ctx_idx=pos,
+            nodes[index] = dict(node_id=error_id(layer, pos), feature=-1, layer=str(layer), ctx_idx=pos,
                                 feature_type="mlp reconstruction error", jsNodeId=f"{layer}_{pos}-0", influence=influence)
         elif index < tokens_end:
             pos = index - errors_end

@@ -18,6 +18,7 @@ import torch
 
 from ..spec.sourced import sourced
 from .replacement import GraphUnavailable, replacement_pass
+from .rows import Rows, all_rows, visited_rows
 from .transcoders import Transcoders
 
 
@@ -51,11 +52,14 @@ class Graph:
         return int(self.cfg["n_layers"])
 
     def node_ids(self) -> list[str]:
-        """circuit-tracer's node ids, in node order: ``{layer}_{feature}_{pos}``, ``0_{layer}_{pos}`` (errors),
-        ``E_{token}_{pos}``, ``{n_layers + 1}_{token}_{n_pos - 1}`` (logits)."""
+        """The graph files' node ids, in node order, each distinct: ``{layer}_{feature}_{pos}`` (features),
+        ``err_{layer}_{pos}`` (errors; circuit-tracer's ``0_{layer}_{pos}`` collides with layer 0's features),
+        ``E_{token}_{pos}``, ``{n_layers + 1}_{token}_{n_pos - 1}`` (logits), as circuit-tracer's otherwise."""
+        from .export import error_id
+
         ids = [f"{layer}_{feature}_{pos}" for layer, pos, feature in
                self.active_features[self.selected_features].tolist()]
-        ids += [f"0_{layer}_{pos}" for layer in range(self.n_layers) for pos in range(self.n_pos)]
+        ids += [error_id(layer, pos) for layer in range(self.n_layers) for pos in range(self.n_pos)]
         ids += [f"E_{token}_{pos}" for pos, token in enumerate(self.input_tokens.tolist())]
         ids += [f"{self.n_layers + 1}_{token}_{self.n_pos - 1}" for token in self.logit_tokens.tolist()]
         return ids
@@ -101,6 +105,18 @@ def _select_logits(logits: torch.Tensor, max_n_logits: int, desired_logit_prob: 
     return top.indices[:cut], top.values[:cut]
 
 
+def _active_features(features: list[torch.Tensor]):
+    """``(active, values)``: the nonzero features of every layer (``features[l]`` ``[pos, d_transcoder_l]``: the
+    layers' transcoders may differ in width) as ``(layer, pos, feature)`` rows sorted by layer, position, feature,
+    as a coalesced sparse tensor's indices, and their activations."""
+    active, values = [], []
+    for layer, acts in enumerate(features):
+        here = acts.nonzero()
+        active.append(torch.cat([torch.full_like(here[:, :1], layer), here], 1))
+        values.append(acts[tuple(here.T)])
+    return torch.cat(active), torch.cat(values)
+
+
 def attribution_graph(model, prompt, transcoders: Transcoders, max_n_logits: int = 10,
                       desired_logit_prob: float = 0.95, batch_size: int = 256,
                       max_feature_nodes: int | None = None, remote: bool | str = False) -> Graph:
@@ -108,9 +124,10 @@ def attribution_graph(model, prompt, transcoders: Transcoders, max_n_logits: int
     as circuit-tracer 0.5.0's ``attribute``: one forward pass of the replacement model on ``batch_size`` copies of
     the prompt, and one backward pass per ``batch_size`` targets (features, then logits).
 
-    ``max_feature_nodes`` keeps that many features as nodes, those of most influence on the logits (circuit-tracer
-    ranks them as it visits them; here on the whole graph), their edges to the others dropped; None keeps every
-    active feature. Refused (``GraphUnavailable``) where the replacement would not be exact: a block that is not a
+    ``max_feature_nodes`` keeps that many features as nodes, visited in circuit-tracer's order (``rows``): the
+    logits' rows first, then batches of features in order of their influence on the logits through the rows
+    computed so far; only their rows are computed and held (memory linear in the active features), their edges
+    from the features never visited dropped. None keeps every active feature (the square adjacency of all). Refused (``GraphUnavailable``) where the replacement would not be exact: a block that is not a
     sum of its sublayers, a token mixer that is not attention, a norm that is not one scale per position, a pass
     that is still not linear in the stream once frozen.
 
@@ -128,79 +145,28 @@ def attribution_graph(model, prompt, transcoders: Transcoders, max_n_logits: int
             "model's weights are loaded (remote=False).")
     if batch_size < 1:
         raise ValueError("attribution_graph: batch_size is at least 1.")
+    if max_feature_nodes is not None and max_feature_nodes < 1:
+        raise ValueError("attribution_graph: max_feature_nodes is at least 1 (None keeps every active feature).")
     ids = _input_ids(model, prompt)
     dtype = next(model._module.parameters()).dtype
     device = next(model._module.parameters()).device
     transcoders = transcoders.to(device, dtype)
-    run = replacement_pass(model, ids.to(device), transcoders, batch_size)
-    n_layers, n_pos = model.num_layers, len(ids)
-    logit_tokens, logit_probabilities = _select_logits(run.logits[0], max_n_logits, desired_logit_prob)
-
-    acts = torch.stack(run.features)  # [layers, pos, d_transcoder]
-    active = acts.nonzero()  # sorted by (layer, pos, feature), as a coalesced sparse tensor's indices
-    activation_values = acts[tuple(active.T)]
-    n_feat = len(active)
-    sources = n_feat + n_layers * n_pos + n_pos
-    n_logits = len(logit_tokens)
-    # the rows are written into the matrix as they come: a feature's at its index, a logit's after the sources
-    adjacency = torch.zeros(sources + n_logits, sources + n_logits, dtype=torch.float32)
-    row_of = torch.cat([torch.arange(n_feat), torch.arange(sources, sources + n_logits)])
-    vocab = run.readout.shape[-1]
-    targets = [("feature", k) for k in range(n_feat)] + [("logit", k) for k in range(n_logits)]
-    by_place: dict[tuple[int, int], torch.Tensor] = {}  # (layer, pos) -> the indices of its active features
-    for layer, pos in torch.unique(active[:, :2], dim=0).tolist():
-        by_place[(layer, pos)] = ((active[:, 0] == layer) & (active[:, 1] == pos)).nonzero().flatten()
-    embeddings = run.embeddings[0].detach()
-    for start in range(0, len(targets), batch_size):
-        chunk = targets[start:start + batch_size]
-        injections = [torch.zeros_like(x) for x in run.inputs]
-        readout = torch.zeros_like(run.readout)
-        for b, (kind, k) in enumerate(chunk):
-            if kind == "feature":
-                layer, pos, feature = active[k].tolist()
-                injections[layer][b, pos] = transcoders.W_enc[layer][:, feature].to(injections[layer].dtype)
-            else:  # the demeaned logit: W_U[:, token] minus the mean of W_U's columns
-                readout[b] = -1.0 / vocab
-                readout[b, logit_tokens[k]] += 1.0
-        outputs = [(x, g) for x, g in zip(run.inputs, injections) if g.any()]
-        if readout.any():
-            outputs.append((run.readout, readout))
-        grads = torch.autograd.grad([o for o, _ in outputs], [*run.sites, run.embeddings],
-                                    grad_outputs=[g for _, g in outputs], retain_graph=True, allow_unused=True)
-        site_grads = [torch.zeros_like(s) if g is None else g for s, g in zip(run.sites, grads[:-1])]
-        embed_grad = torch.zeros_like(run.embeddings) if grads[-1] is None else grads[-1]
-        count = len(chunk)
-        # a feature's edge: the gradient at each output it writes to, dotted with activation * its decoder row
-        # (per source layer and position, a product with the decoder rows of its active features alone)
-        feature_edges = torch.zeros(count, n_feat, dtype=acts.dtype, device=acts.device)
-        for source in range(n_layers):
-            written = range(source, n_layers) if transcoders.cross_layer else (source,)
-            for pos in range(n_pos):
-                here = by_place.get((source, pos))
-                if here is None:
-                    continue
-                features = active[here, 2]
-                for target in written:
-                    decoder = transcoders.decoder(source, target)[features]  # [n_here, d_model]
-                    feature_edges[:, here] += site_grads[target][:count, pos] @ decoder.T
-        feature_edges *= activation_values
-        error_edges = torch.stack([(g[:count] * e).sum(-1) for g, e in zip(site_grads, run.errors)], 1).flatten(1)
-        block = torch.cat([feature_edges, error_edges, (embed_grad[:count] * embeddings).sum(-1)], 1)
-        adjacency[row_of[start:start + count], :sources] = block.float().cpu()
-    selected = torch.arange(n_feat)
-    if max_feature_nodes is not None and max_feature_nodes < n_feat:
-        from .pruning import node_influence
-
-        weights = torch.zeros(len(adjacency))
-        weights[sources:] = logit_probabilities.float().cpu()
-        influence = node_influence(adjacency, weights)[:n_feat]
-        selected = torch.sort(torch.topk(influence, max_feature_nodes).indices).values
-        keep = torch.cat([selected, torch.arange(n_feat, len(adjacency))])
-        adjacency = adjacency[keep][:, keep]
+    with torch.enable_grad():  # the pass keeps autograd's graph, even where the caller is in torch.no_grad()
+        run = replacement_pass(model, ids.to(device), transcoders, batch_size)
+        logit_tokens, logit_probabilities = _select_logits(run.logits[0], max_n_logits, desired_logit_prob)
+        active, activation_values = _active_features(run.features)
+        vocab = run.readout.shape[-1]
+        rows = Rows(run, transcoders, active, activation_values, logit_tokens, vocab)
+        if max_feature_nodes is None or max_feature_nodes >= len(active):
+            selected, adjacency = torch.arange(len(active)), all_rows(rows, batch_size)
+        else:  # circuit-tracer's order of visit: only the rows of the features kept are computed
+            selected, adjacency = visited_rows(rows, max_feature_nodes, batch_size,
+                                               logit_probabilities.float().cpu())
     hf = model._module
     cfg = {"model_name": getattr(hf.config, "_name_or_path", "") or type(hf).__name__,
            "tokenizer_name": getattr(model.tokenizer, "name_or_path", ""), "family": model.family.name,
-           "n_layers": n_layers, "d_model": model.hidden_size, "d_vocab": vocab, "d_transcoder": transcoders.d_transcoder,
+           "n_layers": model.num_layers, "d_model": model.hidden_size, "d_vocab": vocab,
+           "d_transcoder": transcoders.d_transcoder,
            "transcoder_input": transcoders.input_value, "transcoder_output": transcoders.output_value,
            "cross_layer": transcoders.cross_layer}
     text = model.tokenizer.decode(ids)  # circuit-tracer's input_string: the tokens decoded, the BOS with them

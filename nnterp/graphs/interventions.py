@@ -74,9 +74,10 @@ def _plan(transcoders: Transcoders, edits, n_pos: int) -> dict[int, list[tuple[i
             raise ValueError(f"An edit is (layer, pos, feature, new activation), e.g. (*graph.active_features[k], 0.0); "
                              f"got {edit!r}.")
         layer, pos, feature, value = (int(edit[0]), int(edit[1]), int(edit[2]), float(edit[3]))
-        if not 0 <= layer < transcoders.n_layers or not 0 <= feature < transcoders.d_transcoder:
-            raise IndexError(f"Edit {edit!r}: the transcoders have layers 0..{transcoders.n_layers - 1} and features "
-                             f"0..{transcoders.d_transcoder - 1}.")
+        if not 0 <= layer < transcoders.n_layers:
+            raise IndexError(f"Edit {edit!r}: the transcoders have layers 0..{transcoders.n_layers - 1}.")
+        if not 0 <= feature < transcoders.width(layer):
+            raise IndexError(f"Edit {edit!r}: layer {layer}'s transcoder has features 0..{transcoders.width(layer) - 1}.")
         if not 0 <= pos < n_pos:
             raise IndexError(f"Edit {edit!r}: the prompt has positions 0..{n_pos - 1}.")
         plan.setdefault(layer, []).append((pos, feature, value))

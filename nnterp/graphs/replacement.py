@@ -19,7 +19,8 @@ gives their rows:
   own hooks) keeps its autograd graph: a feature's row is its gradient against the encoder's row (the effect on
   the pre-activation);
 - the token embeddings are leaves (a token node's vector is its embedding row, as the embedding module gives it);
-  the head's output is kept, for the logit rows.
+  the head runs on the last position alone (a pre-hook hands it that position: the other positions' logits,
+  ``[batch, seq, vocab]``, are never made), and its output is kept, for the logit rows.
 
 After the pass, autograd's graph from the targets back to the sources is checked to be linear (no nonlinear
 function, no product of two varying tensors): a gate, an activation or a norm the freezing missed is refused,
@@ -66,7 +67,8 @@ class ReplacementPass:
     dotted with its vector), ``features[l]`` ``[seq, d_transcoder]`` and ``errors[l]`` ``[seq, d_model]`` (row 0
     zero), ``embeddings`` the token embeddings' leaf ``[batch, seq, d]``, ``readout`` the head's output at the
     last position ``[batch, vocab]`` (before any soft-cap or scaling the model applies after it: a logit row is
-    the demeaned logit as it leaves the head), ``logits`` the model's real logits at the last position."""
+    the demeaned logit as it leaves the head), ``logits`` ``[1, vocab]`` the model's real logits at the last
+    position (a copy, for one copy of the prompt)."""
 
     inputs: list[torch.Tensor]
     sites: list[torch.Tensor]
@@ -364,8 +366,13 @@ def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, b
         captured["embeddings"] = out.detach().requires_grad_(True)
         return captured["embeddings"]
 
-    def readout(module, args, out):
-        captured["readout"] = _first_tensor(out)
+    def last_position(module, args):  # the head reads the last position only: logits [batch, 1, vocab]
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+            _refuse(model, f"its head ({type(module).__name__}) does not read a [batch, seq, hidden] stream")
+        return (args[0][:, -1:], *args[1:])
+
+    def readout(module, args, out):  # sliced here, in grad mode: the view keeps its place in autograd's graph
+        captured["readout"] = _first_tensor(out)[:, -1]
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_attention_values_on(model))
@@ -376,8 +383,9 @@ def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, b
         stack.callback(norms.remove)
         sites = _Sites(model, transcoders, ids)
         stack.callback(sites.remove)
+        head = hf.get_output_embeddings()
         handles = [hf.get_input_embeddings().register_forward_hook(embeddings_leaf),
-                   hf.get_output_embeddings().register_forward_hook(readout)]
+                   head.register_forward_pre_hook(last_position), head.register_forward_hook(readout)]
         stack.callback(lambda: [handle.remove() for handle in handles])
         stack.enter_context(torch.enable_grad())
         stack.enter_context(warnings.catch_warnings())
@@ -385,7 +393,7 @@ def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, b
         with model.trace(ids):
             for layer, key in enumerate(patterns):  # circuit-tracer: attention patterns are constants of the pass
                 _set_value(model, layer, key, _value(model, layer, key).detach())
-            logits = model.logits[:, -1].detach().save()
+            logits = model.logits[:1, -1].detach().clone().save()  # a copy: no view of the batch's logits
     missing = [layer for layer in range(n) if layer not in sites.sites]
     if missing:
         _refuse(model, f"the MLP output of block {missing[0]} was not computed in the pass")
@@ -397,7 +405,6 @@ def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, b
                        "an activation or a norm nnterp does not freeze), so the direct effects would not add up")
     return ReplacementPass(inputs, [sites.sites[i] for i in range(n)],
                            [sites.features[i] for i in range(n)], [sites.pres[i] for i in range(n)],
-                           [sites.errors[i] for i in range(n)], captured["embeddings"], captured["readout"][:, -1],
-                           logits)
+                           [sites.errors[i] for i in range(n)], captured["embeddings"], captured["readout"], logits)
 
 

@@ -86,8 +86,14 @@ class Transcoders:
         return len(self.W_enc)
 
     @property
-    def d_transcoder(self) -> int:
-        return self.W_enc[0].shape[1]
+    def d_transcoder(self) -> int | list[int]:
+        """The number of features of each layer's transcoder; the list of them where the layers' widths differ."""
+        widths = [self.width(layer) for layer in range(self.n_layers)]
+        return widths[0] if len(set(widths)) == 1 else widths
+
+    def width(self, layer: int) -> int:
+        """The number of features of layer ``layer``'s transcoder."""
+        return self.W_enc[layer].shape[1]
 
     @property
     def d_model(self) -> int:
@@ -155,6 +161,13 @@ class Transcoders:
             if self.W_enc[layer].shape[0] != model.hidden_size:
                 raise TranscoderError(f"Layer {layer}'s transcoder reads vectors of {self.W_enc[layer].shape[0]}; "
                                       f"the model's {self.input_value} has {model.hidden_size}.")
+            shapes = {"b_enc": self.b_enc[layer].shape[0], "W_dec": self.W_dec[layer].shape[0]}
+            if self.threshold[layer] is not None:
+                shapes["threshold"] = self.threshold[layer].shape[0]
+            for name, width in shapes.items():
+                if width != self.width(layer):
+                    raise TranscoderError(f"Layer {layer}'s transcoder has {self.width(layer)} features in W_enc and "
+                                          f"{width} in {name}: one layer's tensors have one number of features.")
             if self.W_dec[layer].shape[-1] != model.hidden_size:
                 raise TranscoderError(f"Layer {layer}'s transcoder writes vectors of {self.W_dec[layer].shape[-1]}; "
                                       f"the model's {self.output_value} has {model.hidden_size}.")

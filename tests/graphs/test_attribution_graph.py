@@ -251,11 +251,17 @@ def test_a_cross_layer_transcoders_features_write_to_every_later_layer(tmp_path)
     assert graph.adjacency_matrix[:n_feat][layers == 2][:, :n_feat][:, layers == 0].abs().sum() > 0
 
 
-def _check(case, tmp_path, **options):
-    """The graph of ``case`` against the frozen replacement built here; returns the graph."""
+def _check(case, tmp_path, widen=None, **options):
+    """The graph of ``case`` against the frozen replacement built here; returns the graph. ``widen``: the layers
+    whose transcoder is replaced by one of 24 features (the others have ``D_TC``)."""
     input_hook = FAMILY_CASES[case]
     dtype = torch.float32 if case in FLOAT32 else torch.float64
     model, hf, truth, folder = _build(case, tmp_path, input_hook, dtype, **options)
+    if widen:
+        wide = write_random_transcoders(tmp_path / "wide", model.num_layers, model.hidden_size, 24, seed=1,
+                                        feature_input_hook=input_hook, dtype=dtype, **options)
+        for layer in widen:
+            (wide / f"layer_{layer}.safetensors").replace(folder / f"layer_{layer}.safetensors")
     graph = attribution_graph(model, PROMPT, load_transcoders(folder), batch_size=64)
     ids = graph.input_tokens[None]
     assert ids[0, 0] == model.tokenizer.bos_token_id and ids.shape[1] == len(PROMPT.split()) + 1
@@ -268,11 +274,13 @@ def _check(case, tmp_path, **options):
     else:  # the experts' grouped products sum in another order over 64 copies of the prompt than over one
         torch.testing.assert_close(graph.replacement_logits, plain, rtol=1e-5, atol=1e-6)
     # the active features and their activations
-    acts = torch.stack(replacement.acts)
-    assert torch.equal(graph.active_features, acts.nonzero()), case
+    # the active features and their activations (each layer's: the layers' transcoders may differ in width)
+    active = torch.cat([torch.cat([torch.full((len(a.nonzero()), 1), layer), a.nonzero()], 1)
+                        for layer, a in enumerate(replacement.acts)])
+    assert torch.equal(graph.active_features, active), case
+    values = torch.cat([a[tuple(a.nonzero().T)].float().double() for a in replacement.acts])
     tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(graph.activation_values.double(), acts[tuple(acts.nonzero().T)].float().double(),
-                               **tolerance)
+    torch.testing.assert_close(graph.activation_values.double(), values, **tolerance)
     # completeness: each target's row plus its value with every source removed is its value
     n_feat, n_layers, n_pos = len(graph.selected_features), model.num_layers, ids.shape[1]
     sources = n_feat + n_layers * n_pos + n_pos
@@ -378,7 +386,7 @@ def test_pruning_keeps_the_logits_and_the_most_influential_nodes_and_the_json_is
         return (x + y) * (x + y + 1) // 2 + y
     assert features and all(n["node_id"] == f"{n['layer']}_{n['node_id'].split('_')[1]}_{n['ctx_idx']}" and
                             n["feature"] == cantor(int(n["layer"]), int(n["node_id"].split("_")[1])) for n in features)
-    # each node's place in the matrix, from its fields (a layer-0 feature's id can be an error node's: "0_1_2")
+    # each node's place in the matrix, from its fields alone
     selected = {tuple(graph.active_features[a].tolist()): k for k, a in enumerate(graph.selected_features.tolist())}
 
     def place(node):
@@ -391,35 +399,112 @@ def test_pruning_keeps_the_logits_and_the_most_influential_nodes_and_the_json_is
             return n_feat + n_layers * n_pos + pos
         return n_feat + n_layers * n_pos + n_pos + graph.logit_tokens.tolist().index(node["feature"])
 
-    places = {}
-    for node in document["nodes"]:
-        places.setdefault(node["node_id"], []).append(place(node))
+    # the ids are distinct, where circuit-tracer 0.5.0's error ids "0_{layer}_{pos}" are those of layer 0's
+    # features numbered below n_layers: this graph has such a feature among its nodes, and the frontend keys nodes
+    # and links by id alone
+    assert any(layer == 0 and feature < n_layers
+               for layer, _, feature in graph.active_features[graph.selected_features].tolist())
     ordered = graph.node_ids()
-    assert all(ordered[k] == node_id for node_id, ks in places.items() for k in ks)
+    assert len(set(ordered)) == len(ordered)
+    places = {node["node_id"]: place(node) for node in document["nodes"]}
+    assert len(places) == len(document["nodes"])
+    assert all(ordered[k] == node_id for node_id, k in places.items())
+    assert all(node["node_id"] == f"err_{node['layer']}_{node['ctx_idx']}" for node in document["nodes"]
+               if node["feature_type"] == "mlp reconstruction error")
     json_edges = prune_graph(graph).edge_mask  # to_json prunes at circuit-tracer's defaults, 0.8 and 0.98
     assert document["links"]
     for link in document["links"]:
-        candidates = [(t, s) for t in places[link["target"]] for s in places[link["source"]] if json_edges[t, s]]
-        assert candidates, link
-        target, source = candidates[0]
+        target, source = places[link["target"]], places[link["source"]]
+        assert json_edges[target, source], link
         assert link["weight"] == pytest.approx(float(graph.adjacency_matrix[target, source]))
     metadata = json.loads((tmp_path / "graphs" / "graph-metadata.json").read_text())
     assert [g["slug"] for g in metadata["graphs"]] == ["cat"]
 
 
-def test_max_feature_nodes_keeps_the_features_of_most_influence(tmp_path):
+def test_per_layer_transcoders_of_different_widths(tmp_path):
+    graph = _check("llama", tmp_path, widen=[1], jumprelu=True)
+    assert graph.cfg["d_transcoder"] == [D_TC, 24, D_TC]
+    assert (graph.active_features[graph.active_features[:, 0] == 1, 2] >= D_TC).any()  # the wider layer's features
+
+
+def test_a_layers_tensors_of_different_widths_are_refused(tmp_path):
+    model, _, _, folder = _build("llama", tmp_path, "mlp.hook_in")
+    transcoders = load_transcoders(folder)
+    transcoders.b_enc[1] = transcoders.b_enc[1][:-1]
+    with pytest.raises(TranscoderError, match=f"Layer 1's transcoder has {D_TC} features in W_enc and {D_TC - 1} in "
+                                              "b_enc"):
+        attribution_graph(model, PROMPT, transcoders)
+
+
+def test_the_graph_under_no_grad_is_the_same_graph(tmp_path):
+    model, _, _, folder = _build("llama", tmp_path, "mlp.hook_in")
+    transcoders = load_transcoders(folder)
+    graph = attribution_graph(model, PROMPT, transcoders, batch_size=16)
+    with torch.no_grad():
+        quiet = attribution_graph(model, PROMPT, transcoders, batch_size=16)
+        assert not torch.is_grad_enabled()
+    assert torch.equal(quiet.adjacency_matrix, graph.adjacency_matrix)
+    assert graph.adjacency_matrix[-len(graph.logit_tokens):].abs().sum() > 0  # the logits' rows are there
+
+
+def test_the_pass_keeps_no_logits_of_positions_before_the_last(tmp_path):
+    from nnterp.graphs import replacement_pass
+
+    model, hf, _, folder = _build("gemma2", tmp_path, "ln2.hook_normalized")
+    ids = torch.tensor([2, 3, 5, 7, 8, 3])
+    run = replacement_pass(model, ids, load_transcoders(folder), batch=4)
+    vocab, size = hf.config.vocab_size, torch.finfo(torch.float64).bits // 8
+    # the readout is the last position's [batch, vocab], the logits one copy's [1, vocab]: neither a view of the
+    # [batch, seq, vocab] logits, whose memory would stay held as long as the pass
+    assert run.readout.shape == (4, vocab) and run.readout.untyped_storage().nbytes() == 4 * vocab * size
+    assert run.logits.shape == (1, vocab) and run.logits.untyped_storage().nbytes() == vocab * size
+    with torch.no_grad():
+        plain = hf(input_ids=ids[None]).logits[0, -1]
+    assert torch.equal(run.logits[0], plain)  # Gemma-2's soft-capped logits, as the model gives them
+
+
+def _visit_order(adjacency, weights, n_feat, n_logits, keep, batch, refresh=4):
+    """circuit-tracer's order of visit, from the full graph: the logits' rows first, then, every ``refresh`` batches,
+    the unvisited features ranked by their influence through the rows visited so far (the closed form on the square
+    matrix whose other rows are zero)."""
+    visited = list(range(len(adjacency) - n_logits, len(adjacency)))
+    while len(visited) - n_logits < keep:
+        partial = torch.zeros_like(adjacency)
+        partial[visited] = adjacency[visited]
+        ranking = torch.argsort(_influence(partial, weights)[:n_feat], descending=True).tolist()
+        pending = [k for k in ranking if k not in visited][:min(refresh * batch, keep + n_logits - len(visited))]
+        visited += pending
+    return torch.tensor(sorted(visited[n_logits:]))
+
+
+def test_max_feature_nodes_visits_the_features_in_order_of_influence_and_computes_their_rows_alone(tmp_path,
+                                                                                                   monkeypatch):
+    from nnterp.graphs import rows
+
     model, _, _, folder = _build("gpt2", tmp_path, "ln2.hook_normalized")
     transcoders = load_transcoders(folder)
     full = attribution_graph(model, PROMPT, transcoders, batch_size=64)
-    n_feat = len(full.selected_features)
+    n_feat, n_logits = len(full.selected_features), len(full.logit_tokens)
     weights = torch.zeros(len(full.adjacency_matrix))
-    weights[-len(full.logit_tokens):] = full.logit_probabilities
-    top = torch.sort(torch.topk(_influence(full.adjacency_matrix, weights)[:n_feat], 12).indices).values
-    graph = attribution_graph(model, PROMPT, transcoders, batch_size=64, max_feature_nodes=12)
+    weights[-n_logits:] = full.logit_probabilities
+    # batches of 2: a first ranking by the logits' rows picks 8 features, a second by those rows too picks 4 more
+    expected = _visit_order(full.adjacency_matrix, weights, n_feat, n_logits, 12, batch=2)
+    computed = []
+    features = rows.Rows.features
+    monkeypatch.setattr(rows.Rows, "features", lambda self, indices: computed.append(indices) or features(self, indices))
+    graph = attribution_graph(model, PROMPT, transcoders, batch_size=2, max_feature_nodes=12)
     assert torch.equal(graph.active_features, full.active_features)
-    assert torch.equal(graph.selected_features, top)
-    keep = torch.cat([top, torch.arange(n_feat, len(full.adjacency_matrix))])
+    assert torch.equal(graph.selected_features, expected)
+    # the features kept are not the 12 of most influence on the whole graph: the visit order is its own
+    top = torch.sort(torch.topk(_influence(full.adjacency_matrix, weights)[:n_feat], 12).indices).values
+    assert not torch.equal(top, expected)
+    assert sorted(torch.cat(computed).tolist()) == expected.tolist()  # only the kept features' rows are computed
+    keep = torch.cat([expected, torch.arange(n_feat, len(full.adjacency_matrix))])
     torch.testing.assert_close(graph.adjacency_matrix, full.adjacency_matrix[keep][:, keep])
+    # every feature kept: the graph of every row, whatever the batch
+    every = attribution_graph(model, PROMPT, transcoders, batch_size=7, max_feature_nodes=n_feat)
+    torch.testing.assert_close(every.adjacency_matrix, full.adjacency_matrix)
+    assert torch.equal(every.selected_features, torch.arange(n_feat))
 
 
 def test_the_model_is_left_as_it_was(tmp_path):

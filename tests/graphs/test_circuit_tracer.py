@@ -2,8 +2,8 @@
 
 circuit-tracer runs in its own venv (``tests/graphs/circuit_tracer/setup.sh``: it needs transformers 4.57 and
 nnsight 0.6), on its nnsight backend: ``reference.py`` builds the model there, saves it, reads the transcoders this
-test writes with circuit-tracer's loader, and saves its graph, its pruning and its graph files. Without the venv the
-test skips, saying how to make it.
+test writes with circuit-tracer's loader, and saves its graph, its graph with ``max_feature_nodes`` (the features it
+visits), its pruning and its graph files. Without the venv the test skips, saying how to make it.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ def test_the_graph_pruning_and_files_are_circuit_tracers(family, python, tmp_pat
     for name in ("activation_values", "logit_probabilities", "adjacency_matrix"):
         theirs = torch.as_tensor(reference[name]).float()
         torch.testing.assert_close(getattr(graph, name), theirs, rtol=0, atol=1e-6 * theirs.abs().max(), msg=name)
+    # max_feature_nodes: the features circuit-tracer visits (in batches, in order of influence), and their edges
+    capped, theirs = attribution_graph(model, PROMPT, load_transcoders(tmp_path / "tc"), max_n_logits=5,
+                                       batch_size=8, max_feature_nodes=40), torch.load(tmp_path / "capped.pt")
+    assert len(graph.active_features) > 40 * 2  # well more features active than kept
+    assert torch.equal(capped.selected_features, theirs["selected_features"])
+    torch.testing.assert_close(capped.adjacency_matrix, theirs["adjacency_matrix"], rtol=0,
+                               atol=1e-6 * theirs["adjacency_matrix"].abs().max())
     # pruning, and the graph files
     pruned, theirs = prune_graph(graph), torch.load(tmp_path / "pruned.pt")
     assert torch.equal(pruned.node_mask, theirs["node_mask"])
@@ -65,6 +72,11 @@ def test_the_graph_pruning_and_files_are_circuit_tracers(family, python, tmp_pat
     mine = json.loads(graph.to_json(tmp_path / "mine", slug="reference", tokenizer=model.tokenizer).read_text())
     expected = json.loads((tmp_path / "json" / "reference.json").read_text())
     assert mine["metadata"] == expected["metadata"] and mine["qParams"] == expected["qParams"]
+    # circuit-tracer's error ids ("0_{layer}_{pos}") are layer 0's features' ids: nnterp's are "err_{layer}_{pos}"
+    for node in expected["nodes"]:
+        if node["feature_type"] == "mlp reconstruction error":
+            assert node["node_id"] == f"0_{node['layer']}_{node['ctx_idx']}"
+            node["node_id"] = f"err_{node['layer']}_{node['ctx_idx']}"
     assert [n["node_id"] for n in mine["nodes"]] == [n["node_id"] for n in expected["nodes"]]
     for ours, their in zip(mine["nodes"], expected["nodes"]):
         assert {k: v for k, v in ours.items() if not isinstance(v, float)} == \
@@ -72,7 +84,10 @@ def test_the_graph_pruning_and_files_are_circuit_tracers(family, python, tmp_pat
         for key in ("influence", "activation", "token_prob"):
             assert (ours[key] is None) == (their[key] is None) and (
                 ours[key] is None or ours[key] == pytest.approx(their[key], rel=1e-4, abs=1e-6)), key
-    assert [(link["source"], link["target"]) for link in mine["links"]] == \
+    def theirs(node_id):
+        return "0_" + node_id.removeprefix("err_") if node_id.startswith("err_") else node_id
+
+    assert [(theirs(link["source"]), theirs(link["target"])) for link in mine["links"]] == \
            [(link["source"], link["target"]) for link in expected["links"]]
     assert json.loads((tmp_path / "mine" / "graph-metadata.json").read_text()) == \
            json.loads((tmp_path / "json" / "graph-metadata.json").read_text())

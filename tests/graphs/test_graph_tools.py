@@ -61,7 +61,7 @@ def test_the_plot_draws_the_pruned_graphs_nodes_and_edges(built, tmp_path):
     axes = figure.axes[0]
     drawn_nodes = [url for c in axes.collections if type(c).__name__ == "PathCollection" for url in c.get_urls()]
     drawn_edges = [url for c in axes.collections if type(c).__name__ == "LineCollection" for url in c.get_urls()]
-    ids = graph.node_ids()  # a layer-0 feature's id can be an error node's ("0_1_2"): compared as multisets
+    ids = graph.node_ids()
     assert sorted(drawn_nodes) == sorted(ids[i] for i in node_mask.nonzero().flatten().tolist())
     kept = edge_mask & node_mask[:, None] & node_mask[None]
     assert sorted(drawn_edges) == sorted(f"{ids[s]}->{ids[t]}" for t, s in kept.nonzero().tolist())

@@ -4,7 +4,8 @@ Runs in circuit-tracer's own venv (tests/graphs/circuit_tracer/setup.sh): ``pyth
 Builds the tiny model (random weights moved off 0 and 1) and its word-level tokenizer, saves them to
 ``FOLDER/model`` (transformers 4.57's files, which transformers 5 reads to identical logits), reads the transcoders
 the test wrote to ``FOLDER/tc`` with circuit-tracer's own loader, and saves its graph's tensors to ``FOLDER/graph.pt``,
-its pruning's masks to ``FOLDER/pruned.pt`` and its graph files to ``FOLDER/json``.
+its pruning's masks to ``FOLDER/pruned.pt``, its graph files to ``FOLDER/json``, and the graph of 40 features visited
+in batches of 8 (``max_feature_nodes``) to ``FOLDER/capped.pt``.
 """
 
 import sys
@@ -61,6 +62,10 @@ def main(folder: Path, family: str) -> None:
     model = ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), transcoders, backend="nnsight",
                                                              device=torch.device("cpu"))
     graph = attribute(PROMPT, model, max_n_logits=5, desired_logit_prob=0.95, batch_size=64)
+    # its order of visit: batches of 8, re-ranked every 4 batches, until 40 features are visited
+    capped = attribute(PROMPT, model, max_n_logits=5, desired_logit_prob=0.95, batch_size=8, max_feature_nodes=40)
+    torch.save({"selected_features": capped.selected_features, "adjacency_matrix": capped.adjacency_matrix},
+               folder / "capped.pt")
     from circuit_tracer.graph import prune_graph
     from circuit_tracer.utils.create_graph_files import create_graph_files
 
