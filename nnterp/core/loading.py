@@ -3,6 +3,7 @@ value is read, and the family spec that serves it."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import transformers
@@ -24,6 +25,9 @@ class Loaded:
 def load(cls: type, model, tokenizer, validate: bool, dispatch: bool, from_pretrained_kwargs: dict) -> Loaded:
     """The model to wrap, from a name or folder (validated before any weight) or a model object (checked)."""
     validated = None  # the forward events of the validated miniature
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        # a copy: nnsight sets the padding side and pad token on the model's tokenizer, and the user's may be shared
+        tokenizer = copy.deepcopy(tokenizer)
     lazy = isinstance(model, (str, os.PathLike)) and not dispatch
     if isinstance(model, (str, os.PathLike)):
         config, architecture, tokenizer, validated = _prepare(cls, model, tokenizer, validate, from_pretrained_kwargs)

@@ -19,7 +19,7 @@ from nnsight.modeling.transformers import TransformersModel  # its generate: nns
 from transformers import BatchEncoding
 
 from .. import analysis
-from ..core.tokens import tl_inputs
+from ..core.tokens import tl_attention_mask, tl_inputs
 from ..spec.catalog import BY_NAME
 from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.locations import At
@@ -340,7 +340,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     ``stop_at_layer=k`` caches only what comes before block ``k`` and returns the stream entering it instead of
     the logits (the pass still runs to its end). ``return_type``: ``"logits"``, ``"loss"`` (the mean next-token
     loss over the real tokens), ``"both"`` (``(logits, loss)``) or None. ``remove_batch_dim=True``: one prompt, every
-    tensor given without its batch dimension. ``prepend_bos``: strings tokenized with (True) or without (False) a
+    tensor of the cache given without its batch dimension (the returned logits keep it, as TransformerLens's do). ``prepend_bos``: strings tokenized with (True) or without (False) a
     BOS token first (``model.to_tokens``); None, as the model's tokenizer does (``model.cfg.default_prepend_bos``);
     ``padding_side`` pads a batch of strings on that side (None: the tokenizer's).
     Hooks of ``with model.hooks(...)`` apply to the pass, and the cache holds the values they leave.
@@ -368,7 +368,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
         cache.batch_removed = True
     if max_new_tokens is not None:
         return logits, cache
-    return _returned(model, logits, cache.input_ids, cache.attention_mask, return_type, remove_batch_dim), cache
+    return _returned(model, logits, cache.input_ids, cache.attention_mask, return_type), cache
 
 
 def _run_with_cache(model, prompts, names, layers, remote, *, max_new_tokens, steer, prepend_bos, padding_side,
@@ -560,14 +560,14 @@ def _one_prompt(ids: torch.Tensor) -> None:
         raise ValueError(f"remove_batch_dim=True takes one prompt, not a batch of {ids.shape[0]}.")
 
 
-def _returned(model, logits, ids, mask, return_type, remove_batch_dim: bool = False):
+def _returned(model, logits, ids, mask, return_type):
     """What the pass returns for ``return_type``: the logits, the mean next-token loss over the real tokens, both
-    (a ``(logits, loss)`` pair), or None."""
+    (a ``(logits, loss)`` pair), or None. The logits keep their batch dimension even with ``remove_batch_dim``
+    (TransformerLens's removes it from the cache only)."""
     if return_type is None:
         return None
     if return_type != "logits":
         loss = lm_loss(logits, ids, mask)
-    logits = logits[0] if remove_batch_dim else logits
     return {"logits": lambda: logits, "loss": lambda: loss, "both": lambda: (logits, loss)}[return_type]()
 
 
@@ -638,10 +638,10 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                             hook_names=[point.name for point in held if point in chosen],
                             batch_removed=remove_batch_dim)
     if residual is not None:
-        return (stream[0] if remove_batch_dim else stream), cache
+        return stream, cache
     if return_type is None:
         return None, cache
-    return _returned(model, logits, inputs["input_ids"], inputs["attention_mask"], return_type, remove_batch_dim), cache
+    return _returned(model, logits, inputs["input_ids"], inputs["attention_mask"], return_type), cache
 
 
 class _ReadoutPoint(hook_points.Point):
@@ -714,7 +714,10 @@ def _inputs(model, prompts, prepend_bos: bool | None = None, padding_side: str |
         ids = prompts.unsqueeze(0) if prompts.dim() == 1 else prompts
         if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
             raise ValueError(f"Token ids are an integer tensor [batch, seq] or [seq], not {ids.dtype} {tuple(ids.shape)}.")
-        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        # TransformerLens's methods mask the leading pads of ids padded on the left, as TransformerLens does
+        tl = getattr(model, "_nnterp_default_prepend_bos", None) is not None
+        mask = tl_attention_mask(model, ids, prepend_bos) if tl else torch.ones_like(ids)
+        return BatchEncoding({"input_ids": ids, "attention_mask": mask.to(ids.device)})
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = list(prompts)

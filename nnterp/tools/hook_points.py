@@ -508,7 +508,7 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torc
         if not (torch.equal(value, before) and (current is value or torch.equal(current, before))):
             raise point.refuse_edit()
         return value
-    if current is not value:
+    if current is not value or getattr(point, "copy", False):  # a copy's in-place edit reaches the model written back
         point.write(model, current)
     return current
 

@@ -369,7 +369,7 @@ class SAEActivationCache(ActivationCache):
 
     def __getitem__(self, key) -> torch.Tensor:
         if isinstance(key, str) and key in self.sae_values:
-            return self.sae_values[key]
+            return self._without_batch(self.sae_values[key], stacked=False)  # remove_batch_dim: as SAELens's
         if isinstance(key, str) and key.startswith("blocks."):
             site, reason = transformerlens_site(key)
             if site is None and ".hook_sae_" in key:

@@ -1,0 +1,139 @@
+"""TransformerLens's semantics where TransformerLens code can observe them: padded token batches, hook edits in place,
+remove_batch_dim, generation (padding, EOS, hooks), and the tokenizer a user passes left as it was. Each is compared
+with TransformerLens 3.9 itself on the same tiny weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import nnterp
+
+from .tl_models import pair, tiny_gpt2
+
+BATCH = ["The cat sat on the mat in Paris", "Hi"]
+TEXT = "The cat sat on the mat"
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def models(request, gpt2_tokenizer_dir):
+    return pair(request.param, gpt2_tokenizer_dir)
+
+
+@pytest.fixture
+def left(models):
+    """Both tokenizers pad on the left for the test, as they were after it."""
+    _, ours, theirs = models
+    sides = ours.tokenizer.padding_side, theirs.tokenizer.padding_side
+    ours.tokenizer.padding_side = theirs.tokenizer.padding_side = "left"
+    yield models
+    ours.tokenizer.padding_side, theirs.tokenizer.padding_side = sides
+
+
+def close(a, b, atol=2e-5):
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=1e-4)
+
+
+def test_a_left_padded_token_batch_is_masked_as_transformerlens_masks_it(left):
+    _, ours, theirs = left
+    tokens = theirs.to_tokens(BATCH)
+    assert torch.equal(ours.to_tokens(BATCH), tokens) and (tokens[1, :3] == theirs.tokenizer.pad_token_id).all()
+    real = slice(-theirs.to_tokens(BATCH[1]).shape[1], None)  # the short prompt's BOS and tokens, ending the row
+    with torch.no_grad():
+        expected, expected_cache = theirs.run_with_cache(tokens)
+        close(ours(tokens)[1, real], expected[1, real])  # before: the short prompt attended to its pads (off by 1-2)
+        close(ours(tokens)[0], expected[0])
+        logits, cache = ours.run_with_cache(tokens)
+    close(logits[1, real], expected[1, real])
+    close(cache["blocks.1.hook_resid_post"][1, real], expected_cache["blocks.1.hook_resid_post"][1, real])
+    close(ours.run_with_hooks(tokens)[1, real], expected[1, real])
+
+
+def test_an_in_place_edit_of_hook_mlp_in_reaches_the_mlp(models):
+    _, ours, theirs = models
+
+    def edit(x, hook):
+        x[:, :, 0] += 5.0  # in place, None returned
+
+    with torch.no_grad():
+        expected = theirs.run_with_hooks(TEXT, fwd_hooks=[("blocks.0.hook_mlp_in", edit)])
+        got = ours.run_with_hooks(TEXT, fwd_hooks=[("blocks.0.hook_mlp_in", edit)])
+        assert (expected - theirs(TEXT)).abs().max() > 1e-2  # the edit moves TransformerLens's logits
+    close(got, expected)
+
+
+def test_remove_batch_dim_keeps_the_logits_batch_axis(models):
+    _, ours, theirs = models
+    with torch.no_grad():
+        expected, expected_cache = theirs.run_with_cache(TEXT, remove_batch_dim=True)
+        logits, cache = ours.run_with_cache(TEXT, remove_batch_dim=True)
+        stream, _ = ours.run_with_cache(TEXT, remove_batch_dim=True, stop_at_layer=1)
+        expected_stream, _ = theirs.run_with_cache(TEXT, remove_batch_dim=True, stop_at_layer=1)
+    assert logits.shape == expected.shape and logits.dim() == 3
+    close(logits[0, -1], expected[0, -1])
+    assert stream.shape == expected_stream.shape
+    assert cache["blocks.1.hook_resid_post"].shape == expected_cache["blocks.1.hook_resid_post"].shape
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_batch_generates_left_padded_whatever_padding_side_says(models, padding_side):
+    _, ours, theirs = models
+    settings = dict(max_new_tokens=5, do_sample=False, verbose=False, return_type="tokens")
+    expected = theirs.generate(BATCH, padding_side=padding_side, **settings)
+    assert torch.equal(ours.generate(BATCH, padding_side=padding_side, **settings), expected)
+
+
+def test_left_padded_token_ids_generate_masked(left):
+    _, ours, theirs = left
+    tokens = theirs.to_tokens(BATCH)
+    settings = dict(max_new_tokens=5, do_sample=False, verbose=False)
+    assert torch.equal(ours.generate(tokens, **settings), theirs.generate(tokens, **settings))
+
+
+def test_a_finished_row_goes_on_with_the_eos_transformerlens_fills_with(models):
+    _, ours, theirs = models
+    settings = dict(do_sample=False, verbose=False, return_type="tokens")
+    eos = int(theirs.generate(BATCH, max_new_tokens=1, **settings)[0, -1])  # row 0 finishes at once
+    assert eos != theirs.tokenizer.eos_token_id
+    expected = theirs.generate(BATCH, max_new_tokens=4, eos_token_id=eos, **settings)
+    assert (expected[0, -4:] == eos).all()  # before: filled with the tokenizer's pad token
+    assert torch.equal(ours.generate(BATCH, max_new_tokens=4, eos_token_id=eos, **settings), expected)
+
+
+def test_hooks_on_the_model_run_in_every_generation_step(models):
+    _, ours, theirs = models
+    settings = dict(max_new_tokens=4, do_sample=False, verbose=False, return_type="tokens")
+
+    def edit(x, hook):
+        x[:, :, 3] += 4.0
+
+    try:
+        theirs.add_hook("blocks.0.hook_resid_post", edit)
+        ours.add_hook("blocks.0.hook_resid_post", edit)
+        expected = theirs.generate(BATCH, **settings)
+        got = ours.generate(BATCH, **settings)  # before: refused
+    finally:
+        theirs.reset_hooks()
+        ours.reset_hooks()
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, ours.generate(BATCH, **settings))  # the hook changed the generation
+
+
+def test_the_tokenizer_passed_is_left_as_it_was(gpt2_tokenizer_dir):
+    """A tokenizer shared with a TransformerLens model: building nnterp's model from it changes nothing that
+    TransformerLens reads (before, nnsight's padding side "left" made TransformerLens mask and shift the batch)."""
+    from .tl_models import transformer_lens_model
+
+    shared = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    hf = tiny_gpt2()
+    theirs = transformer_lens_model(hf, shared)
+    state = shared.padding_side, shared.pad_token, shared.bos_token, len(shared)
+    tokens = theirs.to_tokens(BATCH)
+    with torch.no_grad():
+        expected = theirs(tokens)
+        nnterp.HookedTransformer.from_pretrained("gpt2", hf_model=hf, tokenizer=shared)
+        nnterp.StandardizedTransformer(hf, tokenizer=shared)
+        assert (shared.padding_side, shared.pad_token, shared.bos_token, len(shared)) == state
+        assert torch.equal(theirs.to_tokens(BATCH), tokens)
+        assert torch.equal(theirs(tokens), expected)
