@@ -9,7 +9,8 @@ attaches them for a block, ``model.add_sae(sae)`` until ``model.reset_saes()``. 
 
 An attached SAE is an nnsight edit of the model (``model.edit(inplace=True)``): it runs in every later forward pass
 of the model, ``model.trace`` and every tool of nnterp's that traces (``run_with_cache``, the lens, patching,
-collection), until it is reset; in a ``model.generate`` it runs in the first forward pass (the prompt's) only. As in
+collection), until it is reset; in nnsight's ``model.generate`` trace it runs in the first forward pass (the prompt's)
+only, and in a ``HookedTransformer``'s ``generate`` in every step (one forward pass per token). As in
 SAELens, ``use_error_term=False`` (the default) makes the model go on with the reconstruction, and
 ``use_error_term=True`` with the reconstruction plus the error: the value itself, bit for bit, where no feature is
 edited (``nnterp.splice``, which each attached SAE runs, says how).
