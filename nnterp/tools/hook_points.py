@@ -267,6 +267,11 @@ def _standard(model, name: str, layer: int, value: str) -> StandardPoint:
     return StandardPoint(name, layer, event, value)
 
 
+def standard_point(model, value: str, layer: int) -> StandardPoint:
+    """The point of block ``layer``'s standard value ``value`` (named ``layers[i].<value>`` in a plan)."""
+    return _standard(model, f"layers[{layer}].{BY_NAME[value].key}", layer, value)
+
+
 def _block_point(model, name: str, layer: int, tail: str) -> Point:
     rotary = has_rotary(model)
     if tail in ("attn.hook_q", "attn.hook_k"):
@@ -563,7 +568,7 @@ def attention_for(model, needed: bool):
 __all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookError", "NativePoint", "Plan", "Point",
            "StandardPoint", "apply", "attention_for", "get_act_name", "has_rotary", "hook_names", "hooked_points",
            "in_forward_order", "is_hook_name", "norm_form", "point", "points", "position_table",
-           "scale_and_normalized", "split_name"]
+           "scale_and_normalized", "split_name", "standard_point"]
 
 
 def stop_block(model, stop_at_layer: int) -> int:

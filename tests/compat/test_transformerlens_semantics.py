@@ -137,3 +137,38 @@ def test_the_tokenizer_passed_is_left_as_it_was(gpt2_tokenizer_dir):
         assert (shared.padding_side, shared.pad_token, shared.bos_token, len(shared)) == state
         assert torch.equal(theirs.to_tokens(BATCH), tokens)
         assert torch.equal(theirs(tokens), expected)
+
+
+def test_activation_patching_keeps_the_bos_and_runs_the_models_hooks(models):
+    """nnterp's activation_patching on a HookedTransformer against TransformerLens's own patching
+    (``patching.get_act_patch_resid_pre``): positions as ``to_str_tokens`` counts them (the BOS first), and the hooks
+    left on the model by ``add_hook`` run in every pass, as TransformerLens's ``run_with_hooks`` runs them."""
+    from transformer_lens import patching
+
+    _, ours, theirs = models
+    clean, corrupted = "The cat sat on the mat", "The dog sat on the rug"
+    answer = theirs.to_single_token(" the")
+
+    def metric(logits):
+        return logits[:, -1, answer].mean()
+
+    def edit(x, hook):
+        x[:, :, 5] += 3.0
+
+    results = []
+    for hooked in (False, True):
+        if hooked:
+            theirs.add_hook("blocks.0.hook_attn_out", edit)
+            ours.add_hook("blocks.0.hook_attn_out", edit)
+        try:
+            with torch.no_grad():
+                _, clean_cache = theirs.run_with_cache(clean)
+                expected = patching.get_act_patch_resid_pre(theirs, theirs.to_tokens(corrupted), clean_cache, metric)
+            got = nnterp.activation_patching(ours, clean, corrupted, metric, value="layer_input", progress=False)
+        finally:
+            theirs.reset_hooks()
+            ours.reset_hooks()
+        assert got.shape == expected.shape == (2, len(ours.to_str_tokens(clean)))
+        close(got, expected.cpu(), atol=1e-4)
+        results.append(expected)
+    assert (results[0] - results[1]).abs().max() > 1e-3  # the hook changes TransformerLens's patching

@@ -7,8 +7,9 @@ reset with ``clear_contexts``), and may edit it in place or return a tensor that
 in the order the model computes them (``nnterp.tools.hook_points``), so any order of hooks works. The hooks on the
 model (``add_hook``, and those of the ``with model.hooks(...)`` blocks around the call) run in every pass
 TransformerLens's methods make (``model(...)`` on a ``HookedTransformer``, ``run_with_hooks``, ``run_with_cache``,
-``run_with_saes``), before the call's own, in the order they were added, as TransformerLens registers them; not in
-``model.trace`` or nnterp's other tools, whose edits are written in the trace. Backward hooks are refused: nnterp
+``run_with_saes``, ``generate``, and on a ``HookedTransformer`` ``activation_patching``), before the call's own, in the
+order they were added, as TransformerLens registers them; not in ``model.trace`` or nnterp's other tools, whose edits
+are written in the trace. Backward hooks are refused: nnterp
 runs no backward hooks.
 """
 
