@@ -602,15 +602,14 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                                                                   layer_indices(model, layers))
     # the attention internals: with every value, where they are on (on a HookedTransformer, on for the call)
     standard = _standard_points(model, names, layers, explicit=not every, internals=hook_cache or not every)
-    if stop is not None:
-        chosen = [point for point in chosen if point.layer is not None and point.layer < stop or (
-            point.layer is None and point.name in ("hook_embed", "hook_pos_embed"))]
-        standard = [point for point in standard if point.layer < stop]
+    chosen = [point for point in chosen if hook_points.before_stop(point, stop)]
+    standard = [point for point in standard if hook_points.before_stop(point, stop)]
     plan = hook_points.Plan()
     for point in [*chosen, *standard]:
         plan.add(point, keep=True)
     for point, fn in hook_points.hooked_points(model, context_hooks):
-        plan.add(point, fn)
+        if hook_points.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
+            plan.add(point, fn)
     residual = None
     if stop is not None:  # the stream entering block `stop` (the last block's output after them)
         residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers

@@ -566,9 +566,17 @@ def attention_for(model, needed: bool):
 
 
 __all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookError", "NativePoint", "Plan", "Point",
-           "StandardPoint", "apply", "attention_for", "get_act_name", "has_rotary", "hook_names", "hooked_points",
+           "StandardPoint", "apply", "attention_for", "before_stop", "get_act_name", "has_rotary", "hook_names", "hooked_points",
            "in_forward_order", "is_hook_name", "norm_form", "point", "points", "position_table",
            "scale_and_normalized", "split_name", "standard_point"]
+
+
+def before_stop(point: Point, stop: int | None) -> bool:
+    """Whether ``point`` runs before block ``stop`` (TransformerLens's ``stop_at_layer``: the hooks past it are never
+    called): a block's before ``stop``, and the embeddings."""
+    if stop is None:
+        return True
+    return point.layer < stop if point.layer is not None else point.name in ("hook_embed", "hook_pos_embed")
 
 
 def stop_block(model, stop_at_layer: int) -> int:

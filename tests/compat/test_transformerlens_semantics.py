@@ -172,3 +172,30 @@ def test_activation_patching_keeps_the_bos_and_runs_the_models_hooks(models):
         close(got, expected.cpu(), atol=1e-4)
         results.append(expected)
     assert (results[0] - results[1]).abs().max() > 1e-3  # the hook changes TransformerLens's patching
+
+
+def test_stop_at_layer_never_calls_the_hooks_past_the_stop(models):
+    _, ours, theirs = models
+    results = {}
+    for model in (theirs, ours):
+        calls = []
+
+        def record(x, hook, calls=calls):
+            calls.append(hook.name)
+            x[:, :, 2] += 1.0
+
+        hooks = [("blocks.1.hook_resid_post", record), ("blocks.0.hook_resid_post", record), ("ln_final.hook_scale",
+                                                                                                  lambda x, hook: None)]
+        with torch.no_grad():
+            stream = model.run_with_hooks(TEXT, fwd_hooks=hooks, stop_at_layer=1)  # before: OutOfOrderError
+            model.add_hook("blocks.1.attn.hook_z", record)
+            try:
+                cached, cache = model.run_with_cache(TEXT, stop_at_layer=1)
+            finally:
+                model.reset_hooks()
+        results[model is ours] = stream, cached, calls, cache["blocks.0.hook_resid_post"]
+    (stream, cached, calls, resid), (expected, expected_cached, expected_calls, expected_resid) = results[True], results[False]
+    assert calls == expected_calls == ["blocks.0.hook_resid_post"]
+    close(stream, expected)
+    close(cached, expected_cached)
+    close(resid, expected_resid)

@@ -178,12 +178,13 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
     """The pass of ``run_with_hooks`` (and of a ``HookedTransformer``'s ``model(input)``)."""
     if return_type not in ("logits", "loss", "both", None):
         raise ValueError(f"return_type is one of 'logits', 'loss', 'both' or None, not {return_type!r}.")
+    stop = None if stop_at_layer is None else hook_points.stop_block(model, stop_at_layer)
     plan = hook_points.Plan()
     for point, fn in hook_points.hooked_points(model, fwd_hooks):
-        plan.add(point, fn)
+        if hook_points.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
+            plan.add(point, fn)
     residual = None
-    if stop_at_layer is not None:
-        stop = hook_points.stop_block(model, stop_at_layer)
+    if stop is not None:
         residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
                     else _standard_point(model, "layer_output", model.num_layers - 1))
         plan.add(residual)
