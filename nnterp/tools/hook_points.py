@@ -316,12 +316,13 @@ def _plain_module_output(model, layer: int, value: str) -> str | None:
 
 def _before_rotary(model, name: str, layer: int, tail: str) -> Point:
     """The queries (keys) before the rotary embedding: the projection's output per head, where the attention
-    projects them with a module of their own and nothing (a norm) sits between it and the rotation."""
+    projects them with a module of their own (before a query or key norm too, where TransformerLens records them:
+    Qwen3, OLMo-2)."""
     which = "q" if tail == "attn.hook_q" else "k"
     attention = model.family.attention
     module = model.layers[layer]._module.get_submodule(attention) if attention else None
     projection = getattr(module, f"{which}_proj", None)
-    if not isinstance(projection, nn.Linear) or getattr(module, f"{which}_norm", None) is not None:
+    if not isinstance(projection, nn.Linear):
         raise _unavailable(model, name, "TransformerLens records it before the rotary embedding, and on this "
                                         f"family the {'queries' if which == 'q' else 'keys'} before it are no module's "
                                         f"output; attn.hook_rot_{which} is the {'queries' if which == 'q' else 'keys'} "

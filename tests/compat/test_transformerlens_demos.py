@@ -205,11 +205,11 @@ def test_persistent_hook_ctx_and_refusals(gpt2):
     ours(TEXT)
     ours(TEXT)
     assert seen["blocks.1.hook_resid_pre"] == 2  # ctx kept from pass to pass
-    with pytest.raises(TypeError, match="generate with TransformerLens hooks"):
-        ours.generate(TEXT, max_new_tokens=2)
+    ours.generate(TEXT, max_new_tokens=2, stop_at_eos=False, verbose=False)
+    assert seen["blocks.1.hook_resid_pre"] == 4  # the hook runs in each step's pass, as TransformerLens's
     ours.reset_hooks()
     ours(TEXT)
-    assert seen["blocks.1.hook_resid_pre"] == 2  # gone, and its ctx cleared
+    assert seen["blocks.1.hook_resid_pre"] == 4  # gone, and its ctx cleared
     with pytest.raises(TypeError, match="backward hooks"):
         ours.add_hook("blocks.0.hook_resid_post", count, dir="bwd")
     with pytest.raises(nnterp.tools.hook_points.HookError, match="not a TransformerLens hook name"):

@@ -199,3 +199,48 @@ def test_stop_at_layer_never_calls_the_hooks_past_the_stop(models):
     close(stream, expected)
     close(cached, expected_cached)
     close(resid, expected_resid)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "olmo2"])
+def test_hook_q_and_hook_k_are_the_projections_output_before_the_query_and_key_norms(case):
+    """TransformerLens records hook_q / hook_k at q_proj / k_proj's output, per head, before the norm of the queries
+    and keys (Qwen3's per head, OLMo-2's over the whole width); before, refused. Checked against plain PyTorch hooks
+    on the projections, reading and editing."""
+    from nnterp.families import BY_MODEL_TYPE
+
+    from ..conftest import build_tiny, tiny_tokenizer
+
+    hf = build_tiny(BY_MODEL_TYPE[case].tiny_config())
+    model = nnterp.HookedTransformer.from_pretrained(case, hf_model=hf, tokenizer=tiny_tokenizer())
+    attention = model._module.model.layers[1].self_attn
+    head_dim = attention.head_dim
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    seen = {}
+    handles = [getattr(attention, f"{w}_proj").register_forward_hook(
+        lambda m, a, out, w=w: seen.__setitem__(w, out.detach().unflatten(-1, (-1, head_dim)))) for w in "qk"]
+    try:
+        with torch.no_grad():
+            plain = hf(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    _, cache = model.run_with_cache(ids, names_filter=["blocks.1.attn.hook_q", "blocks.1.attn.hook_k"])
+    assert torch.equal(cache["q", 1], seen["q"]) and torch.equal(cache["k", 1], seen["k"])
+
+    def zero_head(x, hook):
+        x[:, :, 0] = 0
+
+    def zero_plain(module, args, out):
+        out = out.clone()
+        out[..., :head_dim] = 0
+        return out
+
+    handle = attention.q_proj.register_forward_hook(zero_plain)
+    try:
+        with torch.no_grad():
+            expected = hf(input_ids=ids).logits
+    finally:
+        handle.remove()
+    assert (expected - plain).abs().max() > 1e-4
+    got = model.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_q", zero_head)])
+    torch.testing.assert_close(got, expected)
