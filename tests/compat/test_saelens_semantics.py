@@ -86,3 +86,27 @@ def test_remove_batch_dim_removes_it_from_the_sae_entries(models):
         name = f"blocks.1.hook_resid_post.{entry}"
         assert cache[name].shape == expected_cache[name].shape, name
         close(cache[name], expected_cache[name])
+
+
+def test_run_with_saes_takes_the_model_calls_arguments(models):
+    """SAELens hands run_with_saes's other keywords to the model's call: prepend_bos, padding_side, stop_at_layer
+    (before, a bare TypeError)."""
+    ours, theirs = models
+    sae = make_sae("blocks.0.hook_resid_post")
+    batch = [TEXT, "Hi"]
+    # TransformerLens masks a batch's pads where its tokenizer pads on the left (padding_side= alone does not)
+    sides = theirs.tokenizer.padding_side, ours.tokenizer.padding_side
+    theirs.tokenizer.padding_side = ours.tokenizer.padding_side = "left"
+    with torch.no_grad():
+        for options in ({"prepend_bos": False}, {"padding_side": "left"}, {"stop_at_layer": 1},
+                        {"padding_side": "right", "prepend_bos": True, "stop_at_layer": 1}):
+            expected = theirs.run_with_saes(batch, saes=[sae], **options)
+            got = ours.run_with_saes(batch, saes=[sae], **options)
+            assert got.shape == expected.shape, options
+            length = theirs.to_tokens("Hi", prepend_bos=options.get("prepend_bos", True)).shape[1]
+            real = slice(None, length) if options.get("padding_side") == "right" else slice(-length, None)
+            close(got[0], expected[0])
+            close(got[1, real], expected[1, real])
+    theirs.tokenizer.padding_side, ours.tokenizer.padding_side = sides
+    with pytest.raises(TypeError, match="its arguments are"):
+        ours.run_with_saes(TEXT, saes=[sae], start_at_layer=1)
