@@ -25,12 +25,13 @@ from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.locations import At
 from ..spec.selection import forward_order, layer_indices, layer_ranges, value_name
 from . import hook_points
+from .cache_methods import CacheMethods
 from .hook_points import StandardPoint, get_act_name, is_hook_name, split_name
 from .refusals import refuse_unsupported
 from .steering import apply_steering, check_new_tokens, prepare_steering, refuse_right_padding, steering_plan
 
 
-class ActivationCache:
+class ActivationCache(CacheMethods):
     """The values of one forward pass, by ``(name, layer)``.
 
     ``cache[name, layer]``: one block's value (a negative layer counts from the model's end).

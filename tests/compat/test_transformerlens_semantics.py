@@ -244,3 +244,36 @@ def test_hook_q_and_hook_k_are_the_projections_output_before_the_query_and_key_n
     assert (expected - plain).abs().max() > 1e-4
     got = model.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_q", zero_head)])
     torch.testing.assert_close(got, expected)
+
+
+def test_the_cache_methods_transformerlens_code_calls(models):
+    """items, values, cache_dict, to, remove_batch_dim, stack_activation, compute_head_results, get_neuron_results and
+    get_full_resid_decomposition (before: AttributeError), against TransformerLens's own cache of the same pass."""
+    _, ours, theirs = models
+    batch = ["The cat sat on the mat", "A dog ran in the park"]
+    with torch.no_grad():
+        _, expected = theirs.run_with_cache(batch)
+        _, cache = ours.run_with_cache(batch)
+    assert cache.to("cpu") is cache
+    assert set(cache.cache_dict) == set(expected.cache_dict) and len(cache.items()) == len(cache.values()) == len(cache)
+    for name, tensor in cache.items():
+        if name.endswith(("hook_resid_post", "hook_mlp_out")):
+            close(tensor, expected[name])
+    close(cache.stack_activation("resid_post"), expected.stack_activation("resid_post"))
+    close(cache.stack_activation("scale", 1, "ln1"), expected.stack_activation("scale", 1, "ln1"))
+    cache.compute_head_results()
+    close(cache["result", 1], expected["result", 1])
+    close(cache.get_neuron_results(1, pos_slice=-1), expected.get_neuron_results(1, pos_slice=-1))
+    for options in ({}, {"expand_neurons": False}, {"layer": 1, "mlp_input": True}, {"pos_slice": -1}):
+        got, labels = cache.get_full_resid_decomposition(return_labels=True, **options)
+        want, expected_labels = expected.get_full_resid_decomposition(return_labels=True, **options)
+        assert labels == expected_labels, options
+        close(got, want, atol=1e-4)
+    with torch.no_grad():
+        _, one = ours.run_with_cache(batch[0])
+        _, expected_one = theirs.run_with_cache(batch[0])
+    one.remove_batch_dim()
+    expected_one.remove_batch_dim()
+    close(one["blocks.1.hook_resid_post"], expected_one["blocks.1.hook_resid_post"])
+    with pytest.raises(ValueError, match="one prompt"):
+        cache.remove_batch_dim()
