@@ -277,3 +277,23 @@ def test_the_cache_methods_transformerlens_code_calls(models):
     close(one["blocks.1.hook_resid_post"], expected_one["blocks.1.hook_resid_post"])
     with pytest.raises(ValueError, match="one prompt"):
         cache.remove_batch_dim()
+
+
+def test_a_bias_the_module_lacks_reads_as_zeros_and_refuses_an_edit(models):
+    """TransformerLens gives zeros for Llama's absent biases; before, nnterp's zeros took an edit that changed nothing
+    in the model (silently). Now an in-place edit says so; a real bias (GPT-2's) is the model's own parameter."""
+    from nnterp.compat.transformer_lens.config import WeightRefused
+
+    hf, ours, theirs = models
+    for name in ("b_O", "b_Q"):
+        close(getattr(ours.blocks[0].attn, name), getattr(theirs.blocks[0].attn, name))
+    close(ours.blocks[1].mlp.b_out, theirs.blocks[1].mlp.b_out)
+    close(ours.b_U, theirs.b_U)
+    bias = ours.blocks[0].attn.b_O
+    if hf.config.model_type == "llama":
+        for edit in (lambda: bias.add_(1.0), lambda: bias.__setitem__(0, 1.0), lambda: bias.copy_(torch.ones(64))):
+            with pytest.raises(WeightRefused, match="change nothing"):
+                edit()
+        assert float((bias + 1).sum()) == 64.0  # arithmetic on it is plain
+    else:
+        assert bias is hf.transformer.h[0].attn.c_proj.bias

@@ -97,8 +97,7 @@ def W_U(model) -> torch.Tensor:
 def b_U(model) -> torch.Tensor:
     """The unembedding's bias ``[d_vocab]`` (zeros where the head has none, as TransformerLens gives them)."""
     head = model.lm_head._module
-    bias = getattr(head, "bias", None)
-    return torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device) if bias is None else bias
+    return _bias(head, head.weight.shape[0], head.weight)
 
 
 def W_E(model) -> torch.Tensor:
@@ -121,9 +120,29 @@ def _conv1d(module) -> bool:
     return type(module).__name__ == "Conv1D"  # GPT-2's projections: x @ weight [in, out] + bias
 
 
+class AbsentBias(torch.Tensor):
+    """Zeros standing for a bias the module does not have, as TransformerLens gives them: read as zeros, and an
+    in-place edit refused, since no weight of the model would change (a module without a bias has none to edit)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and name != "requires_grad_") or (
+                name.startswith("__i") and name.endswith("__")):
+            raise WeightRefused("This bias is zeros standing for one the module does not have (as TransformerLens "
+                                "gives it): an edit of it would change nothing in the model. Edit the module's "
+                                "weights, or add to the sublayer's output in a trace or a hook.")
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        # every result a plain tensor (an op that gives the same tensor back, .float(), too)
+        return result.as_subclass(torch.Tensor) if isinstance(result, AbsentBias) else result
+
+
 def _bias(module, size: int, like: torch.Tensor) -> torch.Tensor:
     bias = getattr(module, "bias", None)
-    return torch.zeros(size, dtype=like.dtype, device=like.device) if bias is None else bias
+    if bias is None:
+        return torch.zeros(size, dtype=like.dtype, device=like.device).as_subclass(AbsentBias)
+    return bias
 
 
 def _native(model, layer: int, what: str) -> str:
