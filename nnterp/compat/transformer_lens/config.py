@@ -10,6 +10,7 @@ import torch
 from ...core.tokens import context_length, default_prepend_bos, tokenizer_prepends_bos
 from ...spec.errors import NNterpError
 from ...tools.hook_points import has_rotary, norm_form, position_table
+from .factored import FactoredMatrix
 
 
 class WeightRefused(NNterpError, LookupError):
@@ -259,24 +260,14 @@ def stacked(model, name: str) -> torch.Tensor:
     return torch.stack([block_weight(model, layer, name) for layer in range(model.num_layers)])
 
 
-def _factored(what: str):
-    try:
-        from transformer_lens import FactoredMatrix
-    except ImportError as error:
-        raise ImportError(f"model.{what} is TransformerLens's FactoredMatrix, and transformer_lens is not installed "
-                          "(pip install transformer_lens); the factors are model.W_Q, model.W_K, model.W_V and "
-                          "model.W_O.") from error
-    return FactoredMatrix
-
-
 def QK(model):
-    """TransformerLens's ``model.QK``: its ``FactoredMatrix(W_Q, W_K^T)``, ``[n_layers, n_heads, d_model, d_model]``."""
-    return _factored("QK")(stacked(model, "W_Q"), stacked(model, "W_K").transpose(-2, -1))
+    """TransformerLens's ``model.QK``: ``FactoredMatrix(W_Q, W_K^T)``, ``[n_layers, n_heads, d_model, d_model]``."""
+    return FactoredMatrix(stacked(model, "W_Q"), stacked(model, "W_K").transpose(-2, -1))
 
 
 def OV(model):
-    """TransformerLens's ``model.OV``: its ``FactoredMatrix(W_V, W_O)``, ``[n_layers, n_heads, d_model, d_model]``."""
-    return _factored("OV")(stacked(model, "W_V"), stacked(model, "W_O"))
+    """TransformerLens's ``model.OV``: ``FactoredMatrix(W_V, W_O)``, ``[n_layers, n_heads, d_model, d_model]``."""
+    return FactoredMatrix(stacked(model, "W_V"), stacked(model, "W_O"))
 
 
 def W_E_pos(model) -> torch.Tensor:
