@@ -426,9 +426,14 @@ def test_utils_as_the_notebooks_import_them(gpt2, capsys):
     assert abs(hooked[0].probability - results[0].probability) > 1e-6
     results = utils.test_prompt(prompt, [" mat", "dog"], ours, prepend_space_to_answer=True, print_details=False)
     assert [r.token for r in results] == [" mat", " dog"]
-    assert capsys.readouterr().out == ""
-    utils.test_prompt(prompt, answer, ours, top_k=2)
-    assert "mat" in capsys.readouterr().out
+    capsys.readouterr()
+    # TransformerLens's printed table (ranks from 0), line for line, with details or without them
+    for options in ({"top_k": 3}, {"print_details": False}, {"prepend_bos": False, "top_k": 2}):
+        for answers in (answer, [" mat", "dog"], "mat and"):
+            tl_utils.test_prompt(prompt, answers, theirs, **options)
+            expected = capsys.readouterr().out
+            utils.test_prompt(prompt, answers, ours, **options)
+            assert capsys.readouterr().out == expected, (options, answers)
     # the training tutorial imports TransformerLens's own test_prompt: it runs on nnterp's model, printing the same
     tl_utils.test_prompt(prompt, answer, theirs, top_k=3)
     expected = capsys.readouterr().out
