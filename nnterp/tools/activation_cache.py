@@ -688,6 +688,16 @@ def _standard_points(model, names, layers, explicit: bool, internals: bool) -> l
 
 
 def _inputs(model, prompts, prepend_bos: bool | None = None, padding_side: str | None = None) -> BatchEncoding:
+    """``_batch``; on a ``HookedTransformer``, with TransformerLens's positions where the mask has pads: each token at
+    its place among its row's real tokens (nnsight supplies them only where the tokenizer pads on the left)."""
+    batch = _batch(model, prompts, prepend_bos, padding_side)
+    mask = batch["attention_mask"]
+    if getattr(model, "_nnterp_default_prepend_bos", None) is not None and not bool(mask.all()):
+        batch["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+def _batch(model, prompts, prepend_bos: bool | None = None, padding_side: str | None = None) -> BatchEncoding:
     """The batch a trace runs on: strings tokenized as the model's traces tokenize them (with or without a BOS token
     first: ``prepend_bos``, the model's ``to_tokens``), or ids as given (a tensor, or a tokenizer's output: a mapping
     with ``input_ids`` and, for a padded batch, ``attention_mask``)."""
@@ -702,7 +712,7 @@ def _inputs(model, prompts, prepend_bos: bool | None = None, padding_side: str |
         if "input_ids" not in prompts:
             raise TypeError(f"A mapping of inputs holds 'input_ids' (and 'attention_mask'), as a tokenizer returns; "
                             f"this one has {sorted(prompts)}.")
-        ids = _inputs(model, prompts["input_ids"])["input_ids"]
+        ids = _batch(model, prompts["input_ids"])["input_ids"]
         mask = prompts.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
         mask = mask.unsqueeze(0) if mask.dim() == 1 else mask

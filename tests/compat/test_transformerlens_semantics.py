@@ -297,3 +297,18 @@ def test_a_bias_the_module_lacks_reads_as_zeros_and_refuses_an_edit(models):
         assert float((bias + 1).sum()) == 64.0  # arithmetic on it is plain
     else:
         assert bias is hf.transformer.h[0].attn.c_proj.bias
+
+
+def test_to_tokens_pads_on_the_side_transformerlens_pads(models):
+    """A HookedTransformer's tokenizer pads on the right, TransformerLens's default (before, nnsight's left): the same
+    ids, and a padded batch's real positions give TransformerLens's logits."""
+    _, ours, theirs = models
+    assert ours.tokenizer.padding_side == theirs.tokenizer.padding_side == "right"
+    tokens = theirs.to_tokens(BATCH)
+    assert torch.equal(ours.to_tokens(BATCH), tokens) and (tokens[1, -3:] == theirs.tokenizer.pad_token_id).all()
+    with torch.no_grad():
+        expected = theirs(BATCH)
+        got = ours(BATCH)
+    real = theirs.to_tokens(BATCH[1]).shape[1]
+    close(got[0], expected[0])
+    close(got[1, :real], expected[1, :real])

@@ -89,10 +89,10 @@ class HookedTransformer(StandardizedTransformer):
             model = cls(model_name, tokenizer=tokenizer, **kwargs)
         if default_prepend_bos is not None:
             model.__dict__["_nnterp_default_prepend_bos"] = bool(default_prepend_bos)
-        if default_padding_side is not None:
-            if default_padding_side not in ("left", "right"):
-                raise ValueError(f"default_padding_side is 'left' or 'right', not {default_padding_side!r}.")
-            model.tokenizer.padding_side = default_padding_side
+        side = "right" if default_padding_side is None else default_padding_side  # TransformerLens's default
+        if side not in ("left", "right"):
+            raise ValueError(f"default_padding_side is 'left' or 'right', not {default_padding_side!r}.")
+        model.tokenizer.padding_side = side  # the model's own copy of the tokenizer
         return model
 
     @classmethod
