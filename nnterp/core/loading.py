@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import transformers
 
@@ -82,8 +83,10 @@ def load(cls: type, model, tokenizer, validate: bool, dispatch: bool, from_pretr
             f"{type(model).__name__} has no module '{family.layers}', where the {family.name} spec finds the "
             f"blocks of its causal LM ({', '.join(family.model_types)}). Load the checkpoint by name or folder "
             "(StandardizedTransformer(name)), which builds that causal LM, or wrap it.")
-    if not lazy:
-        model.eval()  # nnsight does not; dropout would make every value random
+    if not lazy and model.training:  # nnsight does not; dropout would make every value random
+        warnings.warn(f"The {type(model).__name__} given was in training mode: nnterp put it in eval mode, so that "
+                      "dropout does not make every value random (model.train() undoes it).", UserWarning, stacklevel=4)
+        model.eval()
     return Loaded(model, tokenizer, family, lazy, from_pretrained_kwargs, validated)
 
 

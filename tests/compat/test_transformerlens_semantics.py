@@ -312,3 +312,21 @@ def test_to_tokens_pads_on_the_side_transformerlens_pads(models):
     real = theirs.to_tokens(BATCH[1]).shape[1]
     close(got[0], expected[0])
     close(got[1, :real], expected[1, :real])
+
+
+def test_a_model_in_eval_mode_is_left_as_it_was_and_one_in_training_mode_is_told(gpt2_tokenizer_dir):
+    hf = tiny_gpt2()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    state = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    config = hf.config.to_dict(), hf.generation_config.to_dict()
+    model = nnterp.HookedTransformer.from_pretrained("gpt2", hf_model=hf, tokenizer=tokenizer)
+    with torch.no_grad():
+        model.run_with_cache(TEXT)
+        model.generate(BATCH, max_new_tokens=2, do_sample=False, verbose=False)
+    assert not hf.training and (hf.config.to_dict(), hf.generation_config.to_dict()) == config
+    assert all(torch.equal(tensor, state[name]) for name, tensor in hf.state_dict().items())
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in hf.modules())
+    hf.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        nnterp.HookedTransformer.from_pretrained("gpt2", hf_model=hf, tokenizer=tokenizer)
+    assert not hf.training
