@@ -330,3 +330,16 @@ def test_a_model_in_eval_mode_is_left_as_it_was_and_one_in_training_mode_is_told
     with pytest.warns(UserWarning, match="training mode"):
         nnterp.HookedTransformer.from_pretrained("gpt2", hf_model=hf, tokenizer=tokenizer)
     assert not hf.training
+
+
+def test_transformerlens_evals_run_on_the_model_with_its_numbers(models):
+    """TransformerLens's own evals module, imported as TransformerLens users import it, on nnterp's model."""
+    from transformer_lens import evals
+
+    _, ours, theirs = models
+    with torch.no_grad():
+        assert float(evals.sanity_check(ours)) == pytest.approx(float(evals.sanity_check(theirs)), abs=1e-4)
+        torch.manual_seed(0)
+        expected = evals.induction_loss(theirs, subseq_len=16, device="cpu")
+        torch.manual_seed(0)
+        assert float(evals.induction_loss(ours, subseq_len=16, device="cpu")) == pytest.approx(float(expected), abs=1e-4)
