@@ -343,3 +343,20 @@ def test_transformerlens_evals_run_on_the_model_with_its_numbers(models):
         expected = evals.induction_loss(theirs, subseq_len=16, device="cpu")
         torch.manual_seed(0)
         assert float(evals.induction_loss(ours, subseq_len=16, device="cpu")) == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_tl_named_parameters_in_transformerlens_order_with_its_values(models):
+    """The names and order of TransformerLens's own get_bridge_params (TransformerBridge's tl_named_parameters) read
+    over the model's TransformerLens components, and each value TransformerLens's model holds for it."""
+    from transformer_lens.model_bridge.get_params_util import get_bridge_params
+
+    _, ours, theirs = models
+    named = list(ours.tl_named_parameters())
+    assert [name for name, _ in named] == list(get_bridge_params(ours))  # before: W_gate before W_out, no norms
+    for name, tensor in named:
+        *path, attribute = name.split(".")
+        component = theirs
+        for part in path:
+            component = component[int(part)] if part.isdigit() else getattr(component, part)
+        close(tensor, getattr(component, attribute))
+    assert getattr(ours.blocks[0].mlp, "W_gate", None) is None or theirs.cfg.gated_mlp
