@@ -7,6 +7,7 @@ from .compat import paths as _paths
 from .compat import transformer_lens as _transformer_lens
 from .compat.transformer_lens import HookedTransformer
 from .compat.transformer_lens import saes as _saes
+from .compat.transformer_lens.factored import FactoredMatrix
 from .core.allocator import tune_allocator
 from .core.edits import skip_layers
 from .core.inference import infer_family
@@ -40,6 +41,7 @@ from .version import __version__
 _paths.install()  # the module paths of before the packages (nnterp.lens, nnterp.nnsight_utils, ...)
 _legacy.install(StandardizedTransformer)  # nnterp 1.x's names and constructor arguments (the core has neither)
 _transformer_lens.install(StandardizedTransformer)  # TransformerLens's hooks, tokens, cfg and weights
+HookedSAETransformer = HookedTransformer  # SAELens's name of the same door: its run_with_saes and the rest
 
 __all__ = [
     "__version__",
@@ -48,6 +50,8 @@ __all__ = [
     "BadInput",
     "CollectionError",
     "HookedTransformer",
+    "HookedSAETransformer",
+    "FactoredMatrix",
     "Dictionary",
     "DictionaryError",
     "Graph",

@@ -117,12 +117,14 @@ def get_device() -> str:
 
 def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True, print_details: bool = True,
                 prepend_bos: bool | None = None, top_k: int = 10):
-    """TransformerLens's ``utils.test_prompt(prompt, answer, model, ...)``: nnterp's ``model.test_prompt`` with
-    TransformerLens's arguments. The prompt is tokenized as ``model.to_tokens(prompt, prepend_bos=...)``; an answer
-    of several strings ranks each one's first token after the prompt, as TransformerLens does. The pass runs with the
-    hooks on the model (``with model.hooks(...)``, ``add_hook``), as TransformerLens's ``model(tokens)`` does. It
-    prints nnterp's report (ranks from 1) and returns it: one ``AnswerToken`` per answer token."""
-    from ..core.tokens import AnswerTokens
+    """TransformerLens's ``utils.test_prompt(prompt, answer, model, ...)``, printing TransformerLens's table: the
+    prompt's and the answer's tokens, then for each answer token its rank (from 0, as TransformerLens counts),
+    logit and probability and the ``top_k`` most likely tokens, and last the ranks of the answer tokens (printed
+    without ``print_details`` too). The prompt is tokenized as ``model.to_tokens(prompt, prepend_bos=...)``; an
+    answer of several strings ranks each one's first token after the prompt. The pass runs with the hooks on the
+    model (``with model.hooks(...)``, ``add_hook``), as TransformerLens's ``model(tokens)`` does. Returns nnterp's
+    ``AnswerToken`` of each answer token (its ``rank`` counted from 1)."""
+    from ..core.tokens import AnswerToken, AnswerTokens, visible
 
     answers = [answer] if isinstance(answer, str) else list(answer)
     if not answers or not all(isinstance(a, str) for a in answers):
@@ -130,18 +132,42 @@ def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True
                         "model.test_prompt(prompt, ids)).")
     if prepend_space_to_answer:
         answers = [a if a.startswith(" ") else " " + a for a in answers]
-    prompt_ids = model.to_tokens(prompt, prepend_bos=prepend_bos)[0].tolist()
-    tokenizer = model.tokenizer
-
-    def logits_of(ids):  # TransformerLens's model(tokens): the hooks on the model (add_hook, model.hooks) apply
-        return model.run_with_hooks(ids)
-
-    if len(answers) == 1:
-        return model.test_prompt(prompt_ids, answers[0], top_k=top_k, prepend_space=False,
-                                 print_results=print_details, logits_of=logits_of)
-    results = [model.test_prompt(prompt_ids, tokenizer.encode(a, add_special_tokens=False)[:1], top_k=top_k,
-                                 print_results=print_details, logits_of=logits_of) for a in answers]
-    return AnswerTokens([r[0] for r in results], "\n".join(r.report for r in results), printed=print_details)
+    several = len(answers) > 1
+    prompt_ids = model.to_tokens(prompt, prepend_bos=prepend_bos, move_to_device=False)
+    rows = [model.to_tokens(a, prepend_bos=False, move_to_device=False)[0] for a in answers]
+    rows = [row[:1] for row in rows] if several else rows
+    tokens = torch.cat([prompt_ids.repeat(len(rows), 1), torch.stack(rows)], dim=1)
+    prompt_pieces = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
+    answer_pieces = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    lines = []
+    if print_details:
+        lines.append(f"Tokenized prompt: {prompt_pieces}")
+        lines.append(f"Tokenized answers: {answer_pieces}" if several else f"Tokenized answer: {answer_pieces[0]}")
+    with torch.no_grad():  # TransformerLens's model(tokens): the hooks on the model (add_hook, model.hooks) apply
+        logits = model.run_with_hooks(tokens).float().cpu()
+    probs = logits.softmax(-1)
+    start, found, ranks = prompt_ids.shape[1], [], []
+    for index in range(start, start + (1 if several else len(answer_pieces[0]))):
+        ids, p = tokens[:, index], probs[:, index - 1]
+        order = p.argsort(-1, descending=True)
+        rank = order.argsort(-1)[torch.arange(len(rows)), ids].tolist()  # from 0: the answer's place in the order
+        pieces = [a[index - start] for a in answer_pieces]
+        ranks.append(list(zip(pieces, rank)))
+        for k, token in enumerate(ids.tolist()):
+            top = order[k, :top_k].tolist()
+            found.append(AnswerToken(token=pieces[k], id=token, rank=rank[k] + 1, probability=float(p[k, token]),
+                                     logit=float(logits[k, index - 1, token]),
+                                     top=[(visible(model.tokenizer.decode([t])), float(p[k, t])) for t in top]))
+        if print_details:
+            lines.append(f"Performance on answer token{'s' if several else ''}:")
+            lines += [f"Rank: {rank[k]: <8} Logit: {float(logits[k, index - 1, t]):5.2f} Prob: {float(p[k, t]):6.2%} "
+                      f"Token: |{pieces[k]}|" for k, t in enumerate(ids.tolist())]
+            lines += [f"Top {i}th token. Logit: {float(logits[0, index - 1, t]):5.2f} Prob: {float(p[0, t]):6.2%} "
+                      f"Token: |{model.to_string(torch.tensor(t))}|" for i, t in enumerate(order[0, :top_k].tolist())]
+    lines.append(f"Ranks of the answer tokens: {ranks if several else [r[0] for r in ranks]}")
+    report = "\n".join(lines)
+    print(report)
+    return AnswerTokens(found, report, printed=True)
 
 
 test_prompt.__test__ = False  # type: ignore[attr-defined]  # a library function, not a test for pytest to collect

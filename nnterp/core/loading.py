@@ -3,7 +3,9 @@ value is read, and the family spec that serves it."""
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 
 import transformers
 
@@ -21,9 +23,22 @@ class Loaded:
         self.kwargs, self.validated = kwargs, validated
 
 
+def own_copy(tokenizer):
+    """A copy of ``tokenizer`` whose settings (padding side, special tokens) change apart from the original's: its
+    attributes and their containers copied, the vocabulary backend shared (a deep copy takes half a second)."""
+    made = copy.copy(tokenizer)
+    for key, value in vars(made).items():
+        if isinstance(value, (dict, list, set)):
+            setattr(made, key, copy.copy(value))
+    return made
+
+
 def load(cls: type, model, tokenizer, validate: bool, dispatch: bool, from_pretrained_kwargs: dict) -> Loaded:
     """The model to wrap, from a name or folder (validated before any weight) or a model object (checked)."""
     validated = None  # the forward events of the validated miniature
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        # a copy: nnsight sets the padding side and pad token on the model's tokenizer, and the user's may be shared
+        tokenizer = own_copy(tokenizer)
     lazy = isinstance(model, (str, os.PathLike)) and not dispatch
     if isinstance(model, (str, os.PathLike)):
         config, architecture, tokenizer, validated = _prepare(cls, model, tokenizer, validate, from_pretrained_kwargs)
@@ -78,8 +93,10 @@ def load(cls: type, model, tokenizer, validate: bool, dispatch: bool, from_pretr
             f"{type(model).__name__} has no module '{family.layers}', where the {family.name} spec finds the "
             f"blocks of its causal LM ({', '.join(family.model_types)}). Load the checkpoint by name or folder "
             "(StandardizedTransformer(name)), which builds that causal LM, or wrap it.")
-    if not lazy:
-        model.eval()  # nnsight does not; dropout would make every value random
+    if not lazy and model.training:  # nnsight does not; dropout would make every value random
+        warnings.warn(f"The {type(model).__name__} given was in training mode: nnterp put it in eval mode, so that "
+                      "dropout does not make every value random (model.train() undoes it).", UserWarning, stacklevel=4)
+        model.eval()
     return Loaded(model, tokenizer, family, lazy, from_pretrained_kwargs, validated)
 
 

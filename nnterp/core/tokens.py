@@ -141,6 +141,29 @@ def _device(model) -> torch.device:
     return torch.device("cpu") if parameter is None or parameter.device.type == "meta" else parameter.device
 
 
+def tl_attention_mask(model, ids: torch.Tensor, prepend_bos: bool | None = None,
+                      padding_side: str | None = None) -> torch.Tensor:
+    """The mask TransformerLens gives token ids it is handed without one: where the tokenizer pads on the left
+    (``padding_side``, None: the tokenizer's), each row's leading pad tokens are masked, except the last of them
+    where it is the BOS a prompt starts with (pad and BOS one token, ``prepend_bos``); on the right, nothing is
+    masked (a causal model's real tokens never read the pads after them)."""
+    ids = torch.as_tensor(ids)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    mask = torch.ones_like(ids)
+    tokenizer = model.tokenizer
+    side = padding_side or getattr(tokenizer, "padding_side", None) or "right"
+    if side != "left" or tokenizer.pad_token_id is None:
+        return mask
+    leading = (ids != tokenizer.pad_token_id).long().cumsum(-1) == 0
+    mask[leading] = 0
+    want_bos = default_prepend_bos(model) if prepend_bos is None else bool(prepend_bos)
+    if want_bos and tokenizer.bos_token_id == tokenizer.pad_token_id:  # the last leading pad is the prompt's BOS
+        last = leading.sum(-1) - 1
+        rows = (last >= 0).nonzero().flatten()
+        mask[rows, last[rows]] = 1
+    return mask
+
+
 def tl_inputs(model, texts, prepend_bos: bool | None = None, padding_side: str | None = None):
     """The batch a trace runs on for texts tokenized as ``to_tokens`` does: ids and the attention mask."""
     from transformers import BatchEncoding
@@ -361,5 +384,5 @@ def test_prompt(model, prompt: str, answer, top_k: int = 10, prepend_space: bool
 test_prompt.__test__ = False  # type: ignore[attr-defined]  # a library function, not a test for pytest to collect
 
 __all__ = ["AnswerToken", "AnswerTokens", "default_prepend_bos", "get_token_position", "single_token", "test_prompt",
-           "tl_inputs", "to_single_token", "to_str_tokens", "to_string", "to_tokens", "token_ids", "tokenized",
+           "tl_attention_mask", "tl_inputs", "to_single_token", "to_str_tokens", "to_string", "to_tokens", "token_ids", "tokenized",
            "tokenizer_prepends_bos", "visible"]

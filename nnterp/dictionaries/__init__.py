@@ -569,7 +569,8 @@ def dictionary_learning_site(names: list[str], layer: int | None, io: str) -> tu
 
 SITE_TABLE: list[tuple[str, str, str, str]] = [
     *(("SAELens (TransformerLens)", f"blocks.N.{tail}", f"(N, {standard!r})",
-       "TransformerLens copies resid_mid there, the stream before ln2 (unavailable on a parallel block)"
+       "TransformerLens copies resid_mid there for ln2 alone: a dictionary there gives its output to the MLP's norm, the "
+       "stream kept (unavailable on a parallel block)"
        if tail == "hook_mlp_in" else "unavailable on a parallel block" if standard == "layer_mid" else
        "viewed as [batch, seq, heads * head_dim] (reshape_activations='hook_z')" if tail == "attn.hook_z" else "")
       for tail, standard in _transformerlens_hooks().items() if tail not in TL_REFUSED),

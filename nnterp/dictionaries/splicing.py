@@ -33,6 +33,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..core.tokens import visible
 from ..spec.catalog import BY_NAME
 from ..spec.errors import ValueUnavailable
+from ..spec.locations import At, envoy_at
 from . import Dictionary, DictionaryError
 
 
@@ -56,6 +57,7 @@ class Splice:
         self.model, self.dictionary, self.keep_error = model, dictionary, keep_error
         self.site = place(model, dictionary, "site")
         self.out_site = place(model, dictionary, "out_site") if dictionary.transcoder else None
+        self._copy_into = None if self.out_site else mlp_in_copy(model, dictionary, self.site)
         if self.out_site is not None and _rank(model, self.out_site) <= _rank(model, self.site):
             raise DictionaryError(f"The transcoder reads layers[{self.site[0]}].{self.site[1]} and writes "
                                   f"layers[{self.out_site[0]}].{self.out_site[1]}, which the model computes before it.")
@@ -116,7 +118,10 @@ class Splice:
         new = new.where(self._encoded.to(new.device), target)
         self._output = target.detach().clone()
         self._written = new.reshape(live.shape)
-        self.model.write_value(layer, value, self._written)
+        if self._copy_into is not None:  # the MLP's norm reads what the dictionary gives; the stream is kept
+            envoy_at(self.model, self._copy_into).input = self._written
+        else:
+            self.model.write_value(layer, value, self._written)
         self._state = "closed"
         return False
 
@@ -200,6 +205,21 @@ def place(model, dictionary: Dictionary, which: str = "site") -> tuple[int, str]
     return layer % model.num_layers, value
 
 
+def mlp_in_copy(model, dictionary: Dictionary, site) -> str | None:
+    """TransformerLens's ``hook_mlp_in`` is a copy of the stream (``layer_mid``) that only the MLP's norm reads: a
+    dictionary trained there (its SAELens hook name) gives its output to that norm, not to the stream. The norm's
+    native path, or None for any other dictionary."""
+    hook = dictionary.hook
+    if not (isinstance(hook, str) and hook.endswith(".hook_mlp_in") and site[1] == "layer_mid"):
+        return None
+    location = model.block_spec(site[0]).resolve("mlp_norm_output")
+    if not (isinstance(location, At) and location.side == "output" and not location.op and not location.views):
+        raise DictionaryError(f"{dictionary!r} reads {hook}, TransformerLens's copy of the stream that only the MLP's "
+                              f"norm reads; on {model.family.name} the MLP's norm is no module of its own, so the copy "
+                              "has no place to be written. Attach it at hook_resid_mid to splice the stream itself.")
+    return model.block_path(site[0], location.path)
+
+
 def _check_module(model, dictionary, layer: int, value: str, location, path: str, side: str) -> None:
     """A dictionary named by a module path (sparsify's hookpoint, relative to the base model) reads the module's
     own input or output: it is the value only where the family reads the value there, as it is."""
@@ -267,4 +287,4 @@ def top_activations(model, dictionary: Dictionary, prompts: str | Sequence[str],
     return sorted(found, key=lambda item: -item[0])[:k]
 
 
-__all__ = ["Splice", "flatten_heads", "place", "splice", "top_activations"]
+__all__ = ["Splice", "flatten_heads", "mlp_in_copy", "place", "splice", "top_activations"]

@@ -9,28 +9,37 @@ final norm's input and output, from which the norms' scales of the pass are read
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import nnsight
 import numpy as np
 import torch
 from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.transformers import TransformersModel  # its generate: nnsight's tracer on any subclass
-from transformers import BatchEncoding
 
 from .. import analysis
-from ..core.tokens import tl_inputs
 from ..spec.catalog import BY_NAME
 from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.locations import At
 from ..spec.selection import forward_order, layer_indices, layer_ranges, value_name
 from . import hook_points
+from .cache_methods import CacheMethods
 from .hook_points import StandardPoint, get_act_name, is_hook_name, split_name
+from .pass_arguments import (  # noqa: F401 - imported from here by the TransformerLens methods
+    FOREIGN_ARGUMENTS,
+    RETURN_TYPES,
+    _batch,
+    _inputs,
+    _one_prompt,
+    _refuse_foreign_arguments,
+    _returned,
+    lm_loss,
+)
 from .refusals import refuse_unsupported
 from .steering import apply_steering, check_new_tokens, prepare_steering, refuse_right_padding, steering_plan
 
 
-class ActivationCache:
+class ActivationCache(CacheMethods):
     """The values of one forward pass, by ``(name, layer)``.
 
     ``cache[name, layer]``: one block's value (a negative layer counts from the model's end).
@@ -340,7 +349,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     ``stop_at_layer=k`` caches only what comes before block ``k`` and returns the stream entering it instead of
     the logits (the pass still runs to its end). ``return_type``: ``"logits"``, ``"loss"`` (the mean next-token
     loss over the real tokens), ``"both"`` (``(logits, loss)``) or None. ``remove_batch_dim=True``: one prompt, every
-    tensor given without its batch dimension. ``prepend_bos``: strings tokenized with (True) or without (False) a
+    tensor of the cache given without its batch dimension (the returned logits keep it, as TransformerLens's do). ``prepend_bos``: strings tokenized with (True) or without (False) a
     BOS token first (``model.to_tokens``); None, as the model's tokenizer does (``model.cfg.default_prepend_bos``);
     ``padding_side`` pads a batch of strings on that side (None: the tokenizer's).
     Hooks of ``with model.hooks(...)`` apply to the pass, and the cache holds the values they leave.
@@ -368,7 +377,7 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
         cache.batch_removed = True
     if max_new_tokens is not None:
         return logits, cache
-    return _returned(model, logits, cache.input_ids, cache.attention_mask, return_type, remove_batch_dim), cache
+    return _returned(model, logits, cache.input_ids, cache.attention_mask, return_type), cache
 
 
 def _run_with_cache(model, prompts, names, layers, remote, *, max_new_tokens, steer, prepend_bos, padding_side,
@@ -523,70 +532,6 @@ def _final_norm(model) -> dict[str, torch.Tensor]:
         mediator.iteration = pinned
 
 
-RETURN_TYPES = ("logits", "loss", "both", None)
-# TransformerLens's arguments nnterp has no use for, each with what to do instead
-FOREIGN_ARGUMENTS = {
-    "device": "nnterp runs where the model's weights are and caches there: move a tensor with cache[name].to(device), "
-              "or the model itself",
-    "return_cache_object": "nnterp always returns its ActivationCache (cache[name] gives each tensor)",
-    "incl_bwd": "run_with_cache runs without gradients: save values in a model.trace and call .backward() there",
-    "pos_slice": "slice the cached tensors (cache['resid_post', 5][:, pos])",
-    "fwd_hooks": "run_with_hooks(input, fwd_hooks=[...]) runs hooks; with model.hooks(fwd_hooks=[...]): run_with_cache "
-                 "applies them",
-    "bwd_hooks": "nnterp runs no backward hooks: save values in a model.trace and call .backward() there",
-    "start_at_layer": "nnterp runs the model from its tokens: edit the stream in a trace "
-                      "(model.layers[k].layer_input = x) to start from a stream of your own",
-    "attention_mask": "pass the tokenizer's output (a mapping with input_ids and attention_mask) as the input",
-    "loss_per_token": "run_with_cache returns the mean loss: model.loss_per_token(input) gives it per token",
-}
-
-
-def _refuse_foreign_arguments(arguments: dict, generating: bool, what: str = "run_with_cache",
-                              accepted: str | None = None) -> None:
-    for name in arguments:
-        if name in FOREIGN_ARGUMENTS:
-            raise TypeError(f"{what} got {name}=, a TransformerLens argument nnterp does not take: "
-                            f"{FOREIGN_ARGUMENTS[name]}.")
-    if arguments and accepted:
-        raise TypeError(f"{what} got {', '.join(sorted(arguments))}: its arguments are {accepted}.")
-    if arguments and not generating:
-        raise TypeError(f"{what} got {', '.join(sorted(arguments))}: generation settings, and it generates only with "
-                        "max_new_tokens=N. Its arguments are names, layers, remote, names_filter, remove_batch_dim, "
-                        "stop_at_layer, return_type, prepend_bos, padding_side, max_new_tokens and steer.")
-
-
-def _one_prompt(ids: torch.Tensor) -> None:
-    if ids.shape[0] != 1:
-        raise ValueError(f"remove_batch_dim=True takes one prompt, not a batch of {ids.shape[0]}.")
-
-
-def _returned(model, logits, ids, mask, return_type, remove_batch_dim: bool = False):
-    """What the pass returns for ``return_type``: the logits, the mean next-token loss over the real tokens, both
-    (a ``(logits, loss)`` pair), or None."""
-    if return_type is None:
-        return None
-    if return_type != "logits":
-        loss = lm_loss(logits, ids, mask)
-    logits = logits[0] if remove_batch_dim else logits
-    return {"logits": lambda: logits, "loss": lambda: loss, "both": lambda: (logits, loss)}[return_type]()
-
-
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None,
-            per_token: bool = False) -> torch.Tensor:
-    """The next-token cross-entropy: ``[batch, seq - 1]`` per token (0 where the token or the one it predicts is a
-    pad), or its mean over the real predictions."""
-    log_probs = logits.float().log_softmax(-1)[:, :-1]
-    ids = ids.to(logits.device)
-    losses = -log_probs.gather(-1, ids[:, 1:, None])[..., 0]
-    if mask is not None:
-        real = (mask[:, :-1].bool() & mask[:, 1:].bool()).to(logits.device)
-        losses = losses.masked_fill(~real, 0.0)
-        count = real.sum()
-    else:
-        count = torch.tensor(losses.numel())
-    return losses if per_token else losses.sum() / count
-
-
 def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop_at_layer, return_type, prepend_bos,
                 padding_side, remove_batch_dim):
     """The pass with TransformerLens's hook points: those ``names_filter`` chooses (and ``names``'s standard values),
@@ -602,15 +547,14 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                                                                   layer_indices(model, layers))
     # the attention internals: with every value, where they are on (on a HookedTransformer, on for the call)
     standard = _standard_points(model, names, layers, explicit=not every, internals=hook_cache or not every)
-    if stop is not None:
-        chosen = [point for point in chosen if point.layer is not None and point.layer < stop or (
-            point.layer is None and point.name in ("hook_embed", "hook_pos_embed"))]
-        standard = [point for point in standard if point.layer < stop]
+    chosen = [point for point in chosen if hook_points.before_stop(point, stop)]
+    standard = [point for point in standard if hook_points.before_stop(point, stop)]
     plan = hook_points.Plan()
     for point in [*chosen, *standard]:
         plan.add(point, keep=True)
     for point, fn in hook_points.hooked_points(model, context_hooks):
-        plan.add(point, fn)
+        if hook_points.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
+            plan.add(point, fn)
     residual = None
     if stop is not None:  # the stream entering block `stop` (the last block's output after them)
         residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
@@ -638,10 +582,10 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                             hook_names=[point.name for point in held if point in chosen],
                             batch_removed=remove_batch_dim)
     if residual is not None:
-        return (stream[0] if remove_batch_dim else stream), cache
+        return stream, cache
     if return_type is None:
         return None, cache
-    return _returned(model, logits, inputs["input_ids"], inputs["attention_mask"], return_type, remove_batch_dim), cache
+    return _returned(model, logits, inputs["input_ids"], inputs["attention_mask"], return_type), cache
 
 
 class _ReadoutPoint(hook_points.Point):
@@ -657,8 +601,7 @@ class _ReadoutPoint(hook_points.Point):
         return _final_norm(model)
 
 
-def _standard_point(model, name: str, layer: int) -> StandardPoint:
-    return hook_points._standard(model, f"layers[{layer}].{BY_NAME[name].key}", layer, name)
+_standard_point = hook_points.standard_point
 
 
 def _standard_points(model, names, layers, explicit: bool, internals: bool) -> list[StandardPoint]:
@@ -685,42 +628,6 @@ def _standard_points(model, names, layers, explicit: bool, internals: bool) -> l
                 continue
             chosen.append(_standard_point(model, name, layer))
     return chosen
-
-
-def _inputs(model, prompts, prepend_bos: bool | None = None, padding_side: str | None = None) -> BatchEncoding:
-    """The batch a trace runs on: strings tokenized as the model's traces tokenize them (with or without a BOS token
-    first: ``prepend_bos``, the model's ``to_tokens``), or ids as given (a tensor, or a tokenizer's output: a mapping
-    with ``input_ids`` and, for a padded batch, ``attention_mask``)."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and all(isinstance(p, str) for p in prompts)):
-        if (prepend_bos is not None or padding_side is not None
-                or getattr(model, "_nnterp_default_prepend_bos", None) is not None):
-            return tl_inputs(model, prompts, prepend_bos, padding_side)
-    elif padding_side is not None:
-        raise TypeError("padding_side applies to strings: these inputs are already token ids.")
-    if isinstance(prompts, Mapping):
-        if "input_ids" not in prompts:
-            raise TypeError(f"A mapping of inputs holds 'input_ids' (and 'attention_mask'), as a tokenizer returns; "
-                            f"this one has {sorted(prompts)}.")
-        ids = _inputs(model, prompts["input_ids"])["input_ids"]
-        mask = prompts.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
-        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}: give one "
-                             "mask entry per token.")
-        return BatchEncoding({"input_ids": ids, "attention_mask": mask})
-    if isinstance(prompts, torch.Tensor):
-        ids = prompts.unsqueeze(0) if prompts.dim() == 1 else prompts
-        if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
-            raise ValueError(f"Token ids are an integer tensor [batch, seq] or [seq], not {ids.dtype} {tuple(ids.shape)}.")
-        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise TypeError("prompts is a string, a non-empty list of strings, or a tensor of token ids.")
-    return model.tokenizer(prompts, return_tensors="pt", padding=True)
 
 
 READOUT = ("ln_final_input", "ln_final_output", "ln_final_scale")

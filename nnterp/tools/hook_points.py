@@ -267,6 +267,11 @@ def _standard(model, name: str, layer: int, value: str) -> StandardPoint:
     return StandardPoint(name, layer, event, value)
 
 
+def standard_point(model, value: str, layer: int) -> StandardPoint:
+    """The point of block ``layer``'s standard value ``value`` (named ``layers[i].<value>`` in a plan)."""
+    return _standard(model, f"layers[{layer}].{BY_NAME[value].key}", layer, value)
+
+
 def _block_point(model, name: str, layer: int, tail: str) -> Point:
     rotary = has_rotary(model)
     if tail in ("attn.hook_q", "attn.hook_k"):
@@ -311,12 +316,13 @@ def _plain_module_output(model, layer: int, value: str) -> str | None:
 
 def _before_rotary(model, name: str, layer: int, tail: str) -> Point:
     """The queries (keys) before the rotary embedding: the projection's output per head, where the attention
-    projects them with a module of their own and nothing (a norm) sits between it and the rotation."""
+    projects them with a module of their own (before a query or key norm too, where TransformerLens records them:
+    Qwen3, OLMo-2)."""
     which = "q" if tail == "attn.hook_q" else "k"
     attention = model.family.attention
     module = model.layers[layer]._module.get_submodule(attention) if attention else None
     projection = getattr(module, f"{which}_proj", None)
-    if not isinstance(projection, nn.Linear) or getattr(module, f"{which}_norm", None) is not None:
+    if not isinstance(projection, nn.Linear):
         raise _unavailable(model, name, "TransformerLens records it before the rotary embedding, and on this "
                                         f"family the {'queries' if which == 'q' else 'keys'} before it are no module's "
                                         f"output; attn.hook_rot_{which} is the {'queries' if which == 'q' else 'keys'} "
@@ -508,7 +514,7 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torc
         if not (torch.equal(value, before) and (current is value or torch.equal(current, before))):
             raise point.refuse_edit()
         return value
-    if current is not value:
+    if current is not value or getattr(point, "copy", False):  # a copy's in-place edit reaches the model written back
         point.write(model, current)
     return current
 
@@ -561,9 +567,17 @@ def attention_for(model, needed: bool):
 
 
 __all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookError", "NativePoint", "Plan", "Point",
-           "StandardPoint", "apply", "attention_for", "get_act_name", "has_rotary", "hook_names", "hooked_points",
+           "StandardPoint", "apply", "attention_for", "before_stop", "get_act_name", "has_rotary", "hook_names", "hooked_points",
            "in_forward_order", "is_hook_name", "norm_form", "point", "points", "position_table",
-           "scale_and_normalized", "split_name"]
+           "scale_and_normalized", "split_name", "standard_point"]
+
+
+def before_stop(point: Point, stop: int | None) -> bool:
+    """Whether ``point`` runs before block ``stop`` (TransformerLens's ``stop_at_layer``: the hooks past it are never
+    called): a block's before ``stop``, and the embeddings."""
+    if stop is None:
+        return True
+    return point.layer < stop if point.layer is not None else point.name in ("hook_embed", "hook_pos_embed")
 
 
 def stop_block(model, stop_at_layer: int) -> int:

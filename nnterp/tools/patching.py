@@ -20,7 +20,9 @@ import nnsight
 import torch
 from tqdm.auto import tqdm
 
+from ..core.tokens import tokenized
 from ..spec.selection import forward_order, layer_indices, value_name
+from . import hook_points
 from .refusals import refuse_unsupported
 
 PER_VALUE = {"position": None, "head": "attention_premix", "neuron": "mlp_neurons"}
@@ -43,17 +45,25 @@ NEEDS = ("a string, a list of strings of one token length, or a [batch, seq] ten
          "one prompt)")
 
 
+def _tokens(model, prompt: str) -> torch.Tensor:
+    """One prompt's ids ``[1, seq]``, as the model's traces tokenize it; on a ``HookedTransformer``, as its
+    ``to_tokens`` does (a BOS first by default, as TransformerLens's)."""
+    if getattr(model, "_nnterp_default_prepend_bos", None) is not None:
+        return tokenized(model, prompt)[0]
+    return model.tokenizer(prompt, return_tensors="pt").input_ids
+
+
 def _token_rows(model, prompts, side: str, what: str) -> torch.Tensor:
     """``[batch, seq]`` token ids of ``prompts`` (a string, strings of one token length, or ids), unpadded."""
     if isinstance(prompts, str):
-        return model.tokenizer(prompts, return_tensors="pt").input_ids
+        return _tokens(model, prompts)
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
             raise ValueError(f"{what}: the {side} prompts are a {prompts.dtype} tensor of shape "
                              f"{list(prompts.shape)}; they must be {NEEDS}.")
         return (prompts[None] if prompts.dim() == 1 else prompts).long()
     if isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts):
-        rows = [model.tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
+        rows = [_tokens(model, p)[0] for p in prompts]
         lengths = [len(row) for row in rows]
         if len(set(lengths)) > 1:
             raise ValueError(f"{what} patches a position of every prompt at once, so the {side} prompts must have "
@@ -130,9 +140,16 @@ def activation_patching(model, clean, corrupted, metric: Callable[[torch.Tensor]
     pairs = clean_ids.shape[0]
     every_position = positions is None
     positions = list(range(clean_ids.shape[1])) if every_position else list(positions)
-    with torch.no_grad(), model.trace(clean_ids, remote=remote) as tracer:
-        sources = nnsight.save({layer: model.read_value(layer, name) for layer in forward_order(layers)})
-        tracer.stop()  # nothing past the last layer read is needed
+    hooks = model_hooks(model)
+    if hooks and remote:
+        raise TypeError("activation_patching(remote=True) on a model with TransformerLens hooks (add_hook): the hooks "
+                        "run here only. Remove them (model.reset_hooks()) or patch locally.")
+    if hooks:  # the model's hooks run in the clean pass too, as in TransformerLens's run_with_cache
+        sources = _hooked_pass(model, clean_ids, hooks, {layer: [] for layer in layers}, name, None)[1]
+    else:
+        with torch.no_grad(), model.trace(clean_ids, remote=remote) as tracer:
+            sources = nnsight.save({layer: model.read_value(layer, name) for layer in forward_order(layers)})
+            tracer.stop()  # nothing past the last layer read is needed
     # each patch: (its cell of the result, its layer, its index into the value after the batch row)
     if per == "head":
         heads = range(_heads(sources))
@@ -153,16 +170,48 @@ def activation_patching(model, clean, corrupted, metric: Callable[[torch.Tensor]
         for run, cell in enumerate(cells):
             layer, index = patches[cell]
             edits.setdefault(layer, []).append((slice(run * pairs, (run + 1) * pairs), index))
-        with torch.no_grad(), model.trace(corrupted_ids.repeat(len(cells), 1), remote=remote):
-            for layer in forward_order(list(edits)):
-                target, source = model.read_value(layer, name), sources[layer]
-                for rows, index in edits[layer]:
-                    target[(rows, *index)] = source[(slice(None), *index)]
-            logits = model.logits
-            scores = nnsight.save([metric(logits[run * pairs:(run + 1) * pairs]) for run in range(len(cells))])
+        if hooks:
+            logits = _hooked_pass(model, corrupted_ids.repeat(len(cells), 1), hooks, edits, name, sources)[0]
+            scores = [metric(logits[run * pairs:(run + 1) * pairs]) for run in range(len(cells))]
+        else:
+            with torch.no_grad(), model.trace(corrupted_ids.repeat(len(cells), 1), remote=remote):
+                for layer in forward_order(list(edits)):
+                    target, source = model.read_value(layer, name), sources[layer]
+                    for rows, index in edits[layer]:
+                        target[(rows, *index)] = source[(slice(None), *index)]
+                logits = model.logits
+                scores = nnsight.save([metric(logits[run * pairs:(run + 1) * pairs]) for run in range(len(cells))])
         for cell, score in zip(cells, scores):
             effects[cell] = _one_number(score, pairs, "activation_patching")
     return effects.view(shape)
+
+
+def model_hooks(model) -> list:
+    """The TransformerLens hooks a ``HookedTransformer`` holds (``add_hook``, ``with model.hooks(...)``): its patching
+    runs them in every pass, as TransformerLens's patching (``run_with_hooks``, ``run_with_cache``) does."""
+    if not getattr(model, "_nnterp_hook_cache", False):
+        return []
+    return list(getattr(model, "_nnterp_context_hooks", ()))
+
+
+def _hooked_pass(model, ids: torch.Tensor, hooks: list, edits: dict, name: str, sources: dict | None):
+    """One pass with the model's hooks and the patches ``edits`` (``{layer: [(rows, index)]}``, from ``sources``),
+    every read in forward order: ``(logits, {layer: value})``, the values after the hooks and patches."""
+    plan = hook_points.Plan()
+    for point, fn in hook_points.hooked_points(model, hooks):
+        plan.add(point, fn)
+    for layer, patches in edits.items():
+        point = hook_points.standard_point(model, name, layer)
+
+        def patch(value, hook, layer=layer, patches=patches):
+            for rows, index in patches:
+                value[(rows, *index)] = sources[layer][(slice(None), *index)]
+
+        plan.add(point, patch if patches else None, keep=True)
+    with torch.no_grad(), hook_points.attention_for(model, plan.needs_attention), model.trace(ids):
+        kept = nnsight.save(plan.run(model))
+        logits = nnsight.save(model.logits)
+    return logits, {layer: kept[hook_points.standard_point(model, name, layer).name] for layer in edits}
 
 
 def attribution_patching(model, clean, corrupted, metric: Callable[[torch.Tensor], torch.Tensor],

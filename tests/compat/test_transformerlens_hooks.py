@@ -203,8 +203,16 @@ def test_the_tools_that_generate_still_trace_nnsight_s_generation(gpt2, tmp_path
     assert torch.equal(ids, expected) and cache["layer_output", 1].shape[1] == prompt.shape[1] + 2
     steered = nnterp.steered_generate(ours, prompt, layers=1, vector=torch.zeros(ours.hidden_size), max_new_tokens=3)
     assert steered is not None
-    collection = nnterp.collect(ours, ["The cat", "A dog sat"], tmp_path, ["layer_output"], layers=[1],
-                                max_new_tokens=2, progress=False)
+    # a HookedTransformer pads on the right, as TransformerLens does: a batch generation of nnterp's tools says so
+    with pytest.raises(ValueError, match="right-padded"):
+        nnterp.collect(ours, ["The cat", "A dog sat"], tmp_path / "right", ["layer_output"], layers=[1],
+                       max_new_tokens=2, progress=False)
+    ours.tokenizer.padding_side = "left"
+    try:
+        collection = nnterp.collect(ours, ["The cat", "A dog sat"], tmp_path, ["layer_output"], layers=[1],
+                                    max_new_tokens=2, progress=False)
+    finally:
+        ours.tokenizer.padding_side = "right"
     assert collection.rows == 2 and collection["layer_output"].shape[0] == 2
 
 

@@ -413,7 +413,8 @@ def test_a_sparsify_module_whose_output_is_not_the_value_is_refused(tmp_path):
 @pytest.mark.parametrize("value", ["layer_output", "layer_mid", "attention_premix", "mlp_output"])
 def test_ablating_or_clamping_a_feature_adds_its_direction_times_the_change(case, value, tmp_path):
     model, *_ = model_of(case)
-    hook = {v: h for h, v in TL_SITES.items()}[value]
+    # the first hook that reads the value: hook_resid_mid for the stream (hook_mlp_in is a copy only the MLP reads)
+    hook = next(h for h, v in TL_SITES.items() if v == value)
     captured, plain = hooked(case, [(1, value)])
     x = captured[(1, value)]
     folder, cfg, weights = saelens_folder(tmp_path, "standard", x.shape[-1], f"blocks.1.{hook}")

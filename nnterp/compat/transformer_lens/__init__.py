@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ...core import tokens
 from . import config
+from .factored import FactoredMatrix
+from .hooked_module import HookedRootModule, HookPoint
 from .hooks import SWITCHES, add_hook, add_perma_hook, hooks, loss_fn, loss_per_token, reset_hooks, run_with_hooks
 from .model import HookedTransformer
 
@@ -29,4 +31,4 @@ def install(cls) -> None:
             setattr(cls, name, value)
 
 
-__all__ = ["HookedTransformer", "install"]
+__all__ = ["FactoredMatrix", "HookPoint", "HookedRootModule", "HookedTransformer", "install"]

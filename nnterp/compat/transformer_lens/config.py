@@ -9,12 +9,19 @@ import torch
 
 from ...core.tokens import context_length, default_prepend_bos, tokenizer_prepends_bos
 from ...spec.errors import NNterpError
+from ...spec.locations import At
 from ...tools.hook_points import has_rotary, norm_form, position_table
+from .factored import FactoredMatrix
 
 
 class WeightRefused(NNterpError, LookupError):
     """A TransformerLens weight attribute nnterp does not give (a property that raised AttributeError would fall
     through to nnsight's attribute lookup, which loses the reason)."""
+
+
+class AbsentWeight(WeightRefused, AttributeError):
+    """A weight a component of ``model.blocks[i]`` does not have, as TransformerLens's has no such attribute (an
+    ungated MLP's ``W_gate``, an RMSNorm's ``b``): ``getattr(component, name, None)`` gives None."""
 
 
 FIELDS = ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx", "n_key_value_heads", "act_fn",
@@ -97,8 +104,7 @@ def W_U(model) -> torch.Tensor:
 def b_U(model) -> torch.Tensor:
     """The unembedding's bias ``[d_vocab]`` (zeros where the head has none, as TransformerLens gives them)."""
     head = model.lm_head._module
-    bias = getattr(head, "bias", None)
-    return torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device) if bias is None else bias
+    return _bias(head, head.weight.shape[0], head.weight)
 
 
 def W_E(model) -> torch.Tensor:
@@ -121,9 +127,29 @@ def _conv1d(module) -> bool:
     return type(module).__name__ == "Conv1D"  # GPT-2's projections: x @ weight [in, out] + bias
 
 
+class AbsentBias(torch.Tensor):
+    """Zeros standing for a bias the module does not have, as TransformerLens gives them: read as zeros, and an
+    in-place edit refused, since no weight of the model would change (a module without a bias has none to edit)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and name != "requires_grad_") or (
+                name.startswith("__i") and name.endswith("__")):
+            raise WeightRefused("This bias is zeros standing for one the module does not have (as TransformerLens "
+                                "gives it): an edit of it would change nothing in the model. Edit the module's "
+                                "weights, or add to the sublayer's output in a trace or a hook.")
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        # every result a plain tensor (an op that gives the same tensor back, .float(), too)
+        return result.as_subclass(torch.Tensor) if isinstance(result, AbsentBias) else result
+
+
 def _bias(module, size: int, like: torch.Tensor) -> torch.Tensor:
     bias = getattr(module, "bias", None)
-    return torch.zeros(size, dtype=like.dtype, device=like.device) if bias is None else bias
+    if bias is None:
+        return torch.zeros(size, dtype=like.dtype, device=like.device).as_subclass(AbsentBias)
+    return bias
 
 
 def _native(model, layer: int, what: str) -> str:
@@ -240,24 +266,14 @@ def stacked(model, name: str) -> torch.Tensor:
     return torch.stack([block_weight(model, layer, name) for layer in range(model.num_layers)])
 
 
-def _factored(what: str):
-    try:
-        from transformer_lens import FactoredMatrix
-    except ImportError as error:
-        raise ImportError(f"model.{what} is TransformerLens's FactoredMatrix, and transformer_lens is not installed "
-                          "(pip install transformer_lens); the factors are model.W_Q, model.W_K, model.W_V and "
-                          "model.W_O.") from error
-    return FactoredMatrix
-
-
 def QK(model):
-    """TransformerLens's ``model.QK``: its ``FactoredMatrix(W_Q, W_K^T)``, ``[n_layers, n_heads, d_model, d_model]``."""
-    return _factored("QK")(stacked(model, "W_Q"), stacked(model, "W_K").transpose(-2, -1))
+    """TransformerLens's ``model.QK``: ``FactoredMatrix(W_Q, W_K^T)``, ``[n_layers, n_heads, d_model, d_model]``."""
+    return FactoredMatrix(stacked(model, "W_Q"), stacked(model, "W_K").transpose(-2, -1))
 
 
 def OV(model):
-    """TransformerLens's ``model.OV``: its ``FactoredMatrix(W_V, W_O)``, ``[n_layers, n_heads, d_model, d_model]``."""
-    return _factored("OV")(stacked(model, "W_V"), stacked(model, "W_O"))
+    """TransformerLens's ``model.OV``: ``FactoredMatrix(W_V, W_O)``, ``[n_layers, n_heads, d_model, d_model]``."""
+    return FactoredMatrix(stacked(model, "W_V"), stacked(model, "W_O"))
 
 
 def W_E_pos(model) -> torch.Tensor:
@@ -307,8 +323,15 @@ class Component:
 
             point(model, full)  # an unknown name, or one the family has no value for, says so
             return HookHandle(model, full)
+        if prefix == "mlp" and name == "W_gate":
+            try:
+                return block_weight(model, layer, name)
+            except WeightRefused as error:
+                raise AbsentWeight(str(error)) from None
         if (prefix == "attn" and name.lstrip("_") in ATTENTION) or (prefix == "mlp" and name in MLP):
             return block_weight(model, layer, name)
+        if prefix in ("ln1", "ln2") and name in ("w", "b"):
+            return norm_weight(model, layer, prefix, name)
         raise AttributeError(f"blocks[{layer}]{'.' + prefix if prefix else ''} has TransformerLens's hook points "
                              f"(hook_...) and weights ({', '.join(ATTENTION if prefix == 'attn' else MLP)}), not "
                              f"{name!r}; the native module is model.layers[{layer}]._module.")
@@ -340,10 +363,32 @@ class Blocks:
         return (self[i] for i in range(len(self)))
 
 
+NORM_VALUES = {"ln1": "attention_norm_output", "ln2": "mlp_norm_output"}
+
+
+def norm_module(model, layer: int, which: str):
+    """Block ``layer``'s norm ``which`` (``ln1`` before the attention, ``ln2`` before the MLP), or None where no norm
+    module's output is that value."""
+    location = model.block_spec(layer).resolve(NORM_VALUES[which])
+    if not isinstance(location, At) or location.side != "output" or location.op or location.views:
+        return None
+    return model.layers[layer]._module.get_submodule(location.path)
+
+
+def norm_weight(model, layer: int, which: str, name: str) -> torch.Tensor:
+    """``blocks[layer].ln1.w`` and the rest: the norm module's weight (``w``) or bias (``b``)."""
+    module = norm_module(model, layer, which)
+    tensor = getattr(module, "weight" if name == "w" else "bias", None) if module is not None else None
+    if not isinstance(tensor, torch.Tensor):
+        raise AbsentWeight(f"blocks[{layer}].{which}.{name}: block {layer}'s {which} has no "
+                           f"{'weight' if name == 'w' else 'bias'}" + (" (no norm module)" if module is None else ""))
+    return tensor
+
+
 def tl_parameters(model) -> dict[str, torch.Tensor]:
     """TransformerBridge's ``tl_parameters()``: the weights by TransformerLens's names (``blocks.0.attn.W_Q``, ...), in
-    its layout: the embeddings, each block's attention and MLP weights, the unembedding. The norms' weights are the
-    native modules' (``model.layers[i]._module``)."""
+    its layout and order (TransformerBridge's): the embeddings, each block's attention, MLP and norm weights, the
+    final norm's, the unembedding."""
     params = {"embed.W_E": W_E(model)}
     if position_table(model):
         params["pos_embed.W_pos"] = W_pos(model)
@@ -351,10 +396,19 @@ def tl_parameters(model) -> dict[str, torch.Tensor]:
         for name, weight in attention_weights(model, layer).items():
             params[f"blocks.{layer}.attn.{name}"] = _repeated(weight, model.num_heads) if name in (
                 "W_K", "W_V", "b_K", "b_V") else weight
-        for name in ("W_in", "W_gate", "b_in", "W_out", "b_out"):
-            weights = mlp_weights(model, layer)
+        weights = mlp_weights(model, layer)
+        for name in ("W_in", "W_out", "b_in", "b_out", "W_gate"):  # TransformerBridge's order
             if name in weights:
                 params[f"blocks.{layer}.mlp.{name}"] = weights[name]
+        for which in ("ln1", "ln2"):
+            module = norm_module(model, layer, which)
+            for name, tensor in (("w", getattr(module, "weight", None)), ("b", getattr(module, "bias", None))):
+                if isinstance(tensor, torch.Tensor):
+                    params[f"blocks.{layer}.{which}.{name}"] = tensor
+    final = model._module.get_submodule(model.family.ln_final) if model.family.ln_final else None
+    for name, tensor in (("w", getattr(final, "weight", None)), ("b", getattr(final, "bias", None))):
+        if isinstance(tensor, torch.Tensor):
+            params[f"ln_final.{name}"] = tensor
     params.update({"unembed.W_U": W_U(model), "unembed.b_U": b_U(model)})
     return params
 
@@ -390,4 +444,4 @@ PROPERTIES = {
     "unembed": property(lambda model: _Holder(model, {"W_U": W_U, "b_U": b_U}), doc="TransformerLens's unembed."),
 }
 
-__all__ = ["Config", "PROPERTIES", "WeightRefused", "attention_weights", "cfg", "mlp_weights", "stacked"]
+__all__ = ["AbsentWeight", "Config", "PROPERTIES", "WeightRefused", "attention_weights", "cfg", "mlp_weights", "stacked"]

@@ -7,8 +7,9 @@ reset with ``clear_contexts``), and may edit it in place or return a tensor that
 in the order the model computes them (``nnterp.tools.hook_points``), so any order of hooks works. The hooks on the
 model (``add_hook``, and those of the ``with model.hooks(...)`` blocks around the call) run in every pass
 TransformerLens's methods make (``model(...)`` on a ``HookedTransformer``, ``run_with_hooks``, ``run_with_cache``,
-``run_with_saes``), before the call's own, in the order they were added, as TransformerLens registers them; not in
-``model.trace`` or nnterp's other tools, whose edits are written in the trace. Backward hooks are refused: nnterp
+``run_with_saes``, ``generate``, and on a ``HookedTransformer`` ``activation_patching``), before the call's own, in the
+order they were added, as TransformerLens registers them; not in ``model.trace`` or nnterp's other tools, whose edits
+are written in the trace. Backward hooks are refused: nnterp
 runs no backward hooks.
 """
 
@@ -177,12 +178,13 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
     """The pass of ``run_with_hooks`` (and of a ``HookedTransformer``'s ``model(input)``)."""
     if return_type not in ("logits", "loss", "both", None):
         raise ValueError(f"return_type is one of 'logits', 'loss', 'both' or None, not {return_type!r}.")
+    stop = None if stop_at_layer is None else hook_points.stop_block(model, stop_at_layer)
     plan = hook_points.Plan()
     for point, fn in hook_points.hooked_points(model, fwd_hooks):
-        plan.add(point, fn)
+        if hook_points.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
+            plan.add(point, fn)
     residual = None
-    if stop_at_layer is not None:
-        stop = hook_points.stop_block(model, stop_at_layer)
+    if stop is not None:
         residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
                     else _standard_point(model, "layer_output", model.num_layers - 1))
         plan.add(residual)

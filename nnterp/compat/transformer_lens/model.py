@@ -9,9 +9,10 @@ from nnsight import Envoy
 from nnsight.modeling.transformers import TransformersModel
 
 from ...core.standardized import StandardizedTransformer
-from ...core.tokens import tokenized
+from ...core.tokens import tl_attention_mask, tokenized
 from ...tools.activation_cache import _refuse_foreign_arguments, run_with_cache
 from .hooks import context_hooks, forward
+from .saes import attached_saes
 
 # TransformerLens's weight processing, which nnterp never applies: each argument, and how its numbers compare
 PROCESSING = {
@@ -88,10 +89,10 @@ class HookedTransformer(StandardizedTransformer):
             model = cls(model_name, tokenizer=tokenizer, **kwargs)
         if default_prepend_bos is not None:
             model.__dict__["_nnterp_default_prepend_bos"] = bool(default_prepend_bos)
-        if default_padding_side is not None:
-            if default_padding_side not in ("left", "right"):
-                raise ValueError(f"default_padding_side is 'left' or 'right', not {default_padding_side!r}.")
-            model.tokenizer.padding_side = default_padding_side
+        side = "right" if default_padding_side is None else default_padding_side  # TransformerLens's default
+        if side not in ("left", "right"):
+            raise ValueError(f"default_padding_side is 'left' or 'right', not {default_padding_side!r}.")
+        model.tokenizer.padding_side = side  # the model's own copy of the tokenizer
         return model
 
     @classmethod
@@ -133,19 +134,17 @@ class HookedTransformer(StandardizedTransformer):
         token ids), sampled at ``temperature`` with ``top_k`` / ``top_p`` (``do_sample=False``: greedy), stopping
         where every prompt has given ``eos_token_id`` (the tokenizer's EOS by default; never with
         ``stop_at_eos=False``). ``return_type="input"`` gives text for text (the prompt and what follows, special
-        tokens left out) and ids for ids; ``"str"`` or ``"tokens"`` choose. A list of texts is padded on the left.
-        Runs through transformers' ``generate`` (nnsight's generation tracer is
-        ``TransformersModel.generate(model, ...)``)."""
+        tokens left out) and ids for ids; ``"str"`` or ``"tokens"`` choose. A list of texts is padded on the left
+        (``padding_side`` applies to one text), ids padded on the left have their leading pads masked, and a finished
+        row goes on with the EOS, as in TransformerLens. Runs through transformers' ``generate`` (nnsight's
+        generation tracer is ``TransformersModel.generate(model, ...)``); with SAEs attached (``add_sae``) or hooks
+        on the model (``add_hook``, ``with model.hooks(...)``), one forward pass per token instead, so that they
+        run in every step, as in TransformerLens and SAELens."""
         if kwargs:
             raise TypeError(f"generate got {', '.join(sorted(kwargs))}: its arguments are TransformerLens's "
                             "(max_new_tokens, stop_at_eos, eos_token_id, do_sample, top_k, top_p, temperature, "
                             "prepend_bos, padding_side, return_type). For transformers' generation settings, trace "
                             "it: with TransformersModel.generate(model, input, ...) (nnsight.modeling.transformers).")
-        if context_hooks(self):
-            raise TypeError("generate with TransformerLens hooks on the model (model.add_hook, with model.hooks(...)): "
-                            "nnterp generates through transformers' generate, which runs no hook functions. Call "
-                            "model.reset_hooks() (or leave the with block) first, or write the edit in a "
-                            "TransformersModel.generate(model, ...) trace (nnsight.modeling.transformers).")
         if freq_penalty:
             raise TypeError("generate(freq_penalty=...): TransformerLens's frequency penalty has no counterpart in "
                             "transformers' generation; use repetition_penalty in a TransformersModel.generate(model, ...) trace.")
@@ -153,17 +152,24 @@ class HookedTransformer(StandardizedTransformer):
             raise ValueError(f"return_type is 'input', 'str' or 'tokens', not {return_type!r} (nnterp does not "
                              "return embeddings).")
         text = isinstance(input, str) or (isinstance(input, list) and all(isinstance(t, str) for t in input))
-        if text:
-            ids, mask = tokenized(self, input, prepend_bos, padding_side or ("left" if isinstance(input, list) else
-                                                                             None))
-        else:
+        if text:  # a batch of texts is padded on the left whatever padding_side says, as TransformerLens pads it
+            ids, mask = tokenized(self, input, prepend_bos, "left" if isinstance(input, list) and len(input) > 1
+                                  else padding_side)
+        else:  # ids: their leading pads masked as TransformerLens masks them
             ids = torch.as_tensor(input)
             ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
-            mask = torch.ones_like(ids)
+            mask = tl_attention_mask(self, ids, prepend_bos).to(ids.device)
         device = next(self._module.parameters()).device
         eos = self.tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        # a finished row goes on with this token: TransformerLens's (the EOS, the tokenizer's among several)
+        filler = (eos if isinstance(eos, int) else self.tokenizer.eos_token_id if self.tokenizer.eos_token_id
+                  is not None else list(eos)[0]) if stop_at_eos else self.tokenizer.pad_token_id
+        if attached_saes(self) or context_hooks(self):  # the SAEs and hooks in every step: a forward pass a token
+            out = sampled(self, ids.to(device), mask.to(device), max_new_tokens, eos if stop_at_eos else None,
+                          filler, do_sample, top_k, top_p, temperature)
+            return self._generated(out, ids, text, return_type)
         settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "use_cache": use_past_kv_cache,
-                    "pad_token_id": self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos}
+                    "pad_token_id": filler if filler is not None else eos}
         if do_sample:
             settings.update(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
         else:  # greedy: the checkpoint's sampling settings do not apply
@@ -182,9 +188,50 @@ class HookedTransformer(StandardizedTransformer):
                 out = TransformersModel.generate(self, inputs, **settings)
         finally:
             config.eos_token_id = checkpoint_eos
+        return self._generated(out, ids, text, return_type)
+
+    def _generated(self, out: torch.Tensor, ids: torch.Tensor, text: bool, return_type: str):
         out = out.cpu() if ids.device.type == "cpu" else out
         if return_type == "tokens" or (return_type == "input" and not text):
             return out
         decoded = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tolist()]
         return decoded[0] if len(decoded) == 1 else decoded
+
+
+def sampled(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos, filler, do_sample: bool,
+            top_k: int | None, top_p: float | None, temperature: float) -> torch.Tensor:
+    """TransformerLens's generation loop, one forward pass of the model per token (so that the model's edits, the
+    attached SAEs, run in each step): the next token sampled from the last position's logits (greedy without
+    ``do_sample``), a finished row (it gave ``eos``) going on with ``filler``, stopping where every row has
+    finished."""
+    eos = None if eos is None else torch.as_tensor([eos] if isinstance(eos, int) else list(eos), device=ids.device)
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        logits = forward(model, {"input_ids": ids, "attention_mask": mask}, context_hooks(model))[:, -1].float()
+        token = _sample(logits, top_k, top_p, temperature) if do_sample else logits.argmax(-1)
+        if eos is not None:
+            token[finished] = filler
+            finished |= torch.isin(token, eos)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if eos is not None and bool(finished.all()):
+            break
+    return ids
+
+
+def _sample(logits: torch.Tensor, top_k: int | None, top_p: float | None, temperature: float) -> torch.Tensor:
+    """One token per row, sampled at ``temperature`` among the ``top_k`` most likely and the smallest set of
+    probability ``top_p`` (TransformerLens's ``sample_logits``)."""
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative > top_p
+        drop[:, 1:] = drop[:, :-1].clone()  # keep the token that crosses top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.distributions.Categorical(logits=logits).sample()
 

@@ -9,7 +9,8 @@ attaches them for a block, ``model.add_sae(sae)`` until ``model.reset_saes()``. 
 
 An attached SAE is an nnsight edit of the model (``model.edit(inplace=True)``): it runs in every later forward pass
 of the model, ``model.trace`` and every tool of nnterp's that traces (``run_with_cache``, the lens, patching,
-collection), until it is reset; in a ``model.generate`` it runs in the first forward pass (the prompt's) only. As in
+collection), until it is reset; in nnsight's ``model.generate`` trace it runs in the first forward pass (the prompt's)
+only, and in a ``HookedTransformer``'s ``generate`` in every step (one forward pass per token). As in
 SAELens, ``use_error_term=False`` (the default) makes the model go on with the reconstruction, and
 ``use_error_term=True`` with the reconstruction plus the error: the value itself, bit for bit, where no feature is
 edited (``nnterp.splice``, which each attached SAE runs, says how).
@@ -208,17 +209,27 @@ def saes(model, saes: Dictionary | Iterable[Dictionary] = (), reset_saes_end: bo
 
 def run_with_saes(model, input, *, saes: Dictionary | Iterable[Dictionary] = (), reset_saes_end: bool = True,
                   use_error_term: bool | None = None, return_type: str | None = "logits",
-                  loss_per_token: bool = False):
+                  loss_per_token: bool = False, prepend_bos: bool | None = None, padding_side: str | None = None,
+                  stop_at_layer: int | None = None, **kwargs):
     """One forward pass with ``saes`` attached (and those attached before): SAELens's ``run_with_saes``.
 
-    ``input`` is a prompt, a list of prompts (padded as the model's traces pad them) or token ids. ``return_type``
-    is ``"logits"``, ``"loss"`` (the mean next-token cross-entropy over the real tokens, per token with
-    ``loss_per_token``, as TransformerLens computes it), ``"both"`` (``(logits, loss)``) or None. Without gradients.
+    ``input`` is a prompt, a list of prompts (padded as the model's traces pad them, or on ``padding_side``, with a
+    BOS first as ``prepend_bos`` says) or token ids. ``return_type`` is ``"logits"``, ``"loss"`` (the mean next-token
+    cross-entropy over the real tokens, per token with ``loss_per_token``, as TransformerLens computes it),
+    ``"both"`` (``(logits, loss)``) or None; ``stop_at_layer=k`` returns the stream entering block ``k`` instead,
+    as the model's own call does. Without gradients.
     """
+    if kwargs:
+        raise TypeError(f"run_with_saes got {', '.join(sorted(kwargs))}: its arguments are input, saes, "
+                        "reset_saes_end, use_error_term and the model call's return_type, loss_per_token, prepend_bos, "
+                        "padding_side and stop_at_layer.")
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type is one of {', '.join(map(repr, RETURN_TYPES))}, not {return_type!r}.")
+    options = {"prepend_bos": prepend_bos, "padding_side": padding_side, "stop_at_layer": stop_at_layer}
     with model.saes(saes=saes, reset_saes_end=reset_saes_end, use_error_term=use_error_term):
-        logits, cache = run_with_cache(model, input, names=[])
+        logits, cache = run_with_cache(model, input, names=[], **{k: v for k, v in options.items() if v is not None})
+    if stop_at_layer is not None:  # the stream entering the block, as the model's call returns it
+        return logits
     return _returned(logits, cache, return_type, loss_per_token)
 
 
@@ -369,7 +380,7 @@ class SAEActivationCache(ActivationCache):
 
     def __getitem__(self, key) -> torch.Tensor:
         if isinstance(key, str) and key in self.sae_values:
-            return self.sae_values[key]
+            return self._without_batch(self.sae_values[key], stacked=False)  # remove_batch_dim: as SAELens's
         if isinstance(key, str) and key.startswith("blocks."):
             site, reason = transformerlens_site(key)
             if site is None and ".hook_sae_" in key:
