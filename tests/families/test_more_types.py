@@ -10,7 +10,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nnterp import StandardizedTransformer
 from nnterp.core.validation import check_identity
-from nnterp.families import BY_MODEL_TYPE, SAME_BLOCKS
+from nnterp.families import BORROWER_NAMES, BY_MODEL_TYPE, SAME_BLOCKS
 from nnterp.proof.miniature import miniature_config
 
 from ..conftest import perturb, tiny_tokenizer
@@ -73,7 +73,8 @@ def truth_of(family, blocks):
 def test_the_type_gives_the_hooks_values(family, model_type, dtype):
     hf = build(model_type, dtype)
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # validated on a miniature at load
-    assert model.family.name == family
+    own = hf.config.model_type == model_type  # gpt-sw3's config is GPT2Config: a GPT-2 model, as its config says
+    assert model.family.name == (f"{BORROWER_NAMES[model_type]} ({family}'s blocks)" if own else family)
     hf.base_model_blocks = model.layers._module
     truth = truth_of(family, hf.base_model_blocks)
     ids = IDS % model.vocab_size
@@ -89,6 +90,18 @@ def test_every_added_type_is_registered_once():
     assert len(added) == len(set(added)) == 48
     assert all(t in CONFIG_MAPPING and BY_MODEL_TYPE[t].name == f for f, ts in SAME_BLOCKS.items() for t in ts)
     assert not set(added) & {case_config().model_type for case_config, *_ in CASES.values()}
+    assert set(BORROWER_NAMES) == set(added)  # each is named as itself when it is served
+
+
+def test_a_borrowed_spec_refuses_in_the_name_of_the_model_it_serves():
+    """EXAONE-4's blocks are OLMo-2's: what it refuses names EXAONE-4, never OLMo-2 alone."""
+    from nnterp import ValueUnavailable
+
+    model = StandardizedTransformer(build("exaone4"), tokenizer=tiny_tokenizer(256))
+    with pytest.raises(ValueUnavailable, match=r"'attention_norm_output' is unavailable on EXAONE-4 \(OLMo-2's blocks\): "
+                                               r"no norm before the attention"):
+        with model.trace(IDS % model.vocab_size):
+            model.layers[0].attention_norm_output.save()
 
 
 @pytest.mark.parametrize("model_type", ["granite_swa", "flint", "bitnet", "diffllama", "mimo_v2_flash", "laguna", "axk2",
