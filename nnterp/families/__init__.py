@@ -99,9 +99,11 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "Qwen2-MoE": ("flint",),  # the same
     "Mixtral": ("aria_text", "ernie4_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open",
                 "hy_v3", "mimo_v2_flash", "laguna",  # dense layers named by mlp_layer_types; laguna gates its attention
-                "dots3_note", "dots3_note_text"),  # gated latent attention, heads per layer
+                "dots3_note", "dots3_note_text",  # gated latent attention, heads per layer
+                "minicpm5_moe"),  # transformers 5.25: GLM-4-MoE-Lite's blocks, its attention gated
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
-                    "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2"),
+                    "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2",
+                    "param2moe"),  # transformers 5.25: a Glm4MoeForCausalLM
 }
 
 
@@ -120,7 +122,8 @@ BORROWER_NAMES: dict[str, str] = {
     "mimo_v2_flash": "MiMo-V2-Flash", "laguna": "Laguna", "dots3_note": "dots3-note",
     "dots3_note_text": "dots3-note (text)", "deepseek_v32": "DeepSeek-V3.2", "exaone_moe": "EXAONE-MoE",
     "glm4_moe": "GLM-4-MoE", "glm_moe_dsa": "GLM-MoE-DSA", "sarvam_mla": "Sarvam-MLA", "sarvam_moe": "Sarvam-MoE",
-    "deepseek_v2": "DeepSeek-V2", "dots1": "dots1", "axk1": "A.X-K1", "axk2": "A.X-K2",
+    "deepseek_v2": "DeepSeek-V2", "dots1": "dots1", "axk1": "A.X-K1", "axk2": "A.X-K2", "minicpm5_moe": "MiniCPM5-MoE",
+    "param2moe": "Param2-MoE",
 }
 
 
