@@ -77,8 +77,9 @@ def truth_of(family, blocks):
 def test_the_type_gives_the_hooks_values(family, model_type, dtype):
     hf = build(model_type, dtype)
     model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer(256))  # validated on a miniature at load
-    own = hf.config.model_type == model_type  # gpt-sw3's config is GPT2Config: a GPT-2 model, as its config says
-    assert model.family.name == (f"{BORROWER_NAMES[model_type]} ({family}'s blocks)" if own else family)
+    built = hf.config.model_type  # the config's own type: gpt-sw3's is GPT-2's, dots3_note's model dots3_note_text's
+    assert model.family.name == (f"{BORROWER_NAMES[built]} ({family}'s blocks)" if built in SAME_BLOCKS[family]
+                                 else family)
     hf.base_model_blocks = model.layers._module
     truth = truth_of(family, hf.base_model_blocks)
     ids = IDS % model.vocab_size
