@@ -9,12 +9,12 @@ first ``first_k_dense_replace`` layers, Qwen-MoE's ``mlp_only_layers`` and
 JetMoE routes the attention too: each token runs ``num_experts_per_tok`` experts of query and
 output projections (``self_attention.experts``) over shared keys and values. Its attention is still one
 eager attention over ``num_experts_per_tok x num_key_value_heads`` slots (the config's
-``num_attention_heads``): slot ``s`` is, counting from 0, the token's ``s // num_key_value_heads``-th chosen
-expert (by its router logit, highest first, so another expert from token to token) on key-value head
-``s % num_key_value_heads`` (the keys and values repeated per expert). So the values inside the attention are read as on any family, a
-slot for a head, and ``attention_premix`` is the attention function's output, each slot's before its
-expert's output projection: there is no one output projection, so no ``head_outputs``. Its
-``self_attention`` returns ``(output, weights, router_logits)``.
+``num_attention_heads``): slot ``s`` is, counting from 0, the token's ``s // num_key_value_heads``-th
+chosen expert (by its router logit, highest first, so another expert from token to token) on key-value
+head ``s % num_key_value_heads`` (the keys and values repeated per expert). So the values inside the
+attention are read as on any family, a slot for a head, and ``attention_premix`` is the attention
+function's output, each slot's before its expert's output projection: there is no one output
+projection, so no ``head_outputs``. Its ``self_attention`` returns ``(output, weights, router_logits)``.
 """
 
 import transformers
