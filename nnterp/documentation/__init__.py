@@ -188,7 +188,42 @@ def _served(family: Family, name: str, why: str | None) -> str:
         else "served"
 
 
+@functools.cache
+def _refusal(name: str) -> str | None:
+    """Why family ``name``'s pages cannot be made with the installed transformers (its test config or its tiny
+    model's run fails there), in a line; None where they can. A transformers newer than the suite's may change a
+    family's classes: its page says so and the other pages leave it out, instead of the whole build failing."""
+    import transformers
+
+    family = next(f for f in FAMILIES if f.name == name)
+    try:
+        shapes(family)
+        analyses(family)
+    except Exception as error:  # whatever the family's classes raise: named on its page, never silently dropped
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"with transformers {transformers.__version__}, {type(error).__name__}: {message}"
+    return None
+
+
+def documented() -> list[Family]:
+    """The families whose pages the installed transformers lets us make (``_refusal``), in the registry's order."""
+    return [family for family in FAMILIES if _refusal(family.name) is None]
+
+
+def _left_out() -> list[str]:
+    """A line naming the families the other pages leave out, each linked to its page (which says why); [] if none."""
+    missing = [f"[{family.name}](families/{slug(family)}.md)" for family in FAMILIES if family not in documented()]
+    return [f"Not documented with this transformers (each page says why): {', '.join(missing)}.", ""] if missing else []
+
+
 def family_page(family: Family) -> str:
+    why = _refusal(family.name)
+    if why is not None:
+        return "\n".join([GENERATED, f"# {family.name}", "",
+                          f"Model types: {', '.join(f'`{t}`' for t in family.model_types)}", "",
+                          f"**This page could not be made**: {html.escape(why, quote=False)}. nnterp's suite runs "
+                          "on the transformers of its `constraints.txt`; a model of this family is still proven on a "
+                          "miniature of its config when it loads, and refused if the spec does not hold."]) + "\n"
     doc = inspect.cleandoc(sys.modules[family.block.__module__].__doc__ or "")
     config = family.tiny_config()
     found = shapes(family)
@@ -295,8 +330,9 @@ def availability_page() -> str:
              "says which). Reading an unavailable value raises `ValueUnavailable`, an `AttributeError` naming the "
              "value, the family and the reason; `model.availability(i)` lists them.", ""]
     reasons: dict[str, int] = {}
-    found = {family.name: shapes(family) for family in FAMILIES}
-    families = sorted(FAMILIES, key=lambda f: f.name.casefold())  # the tables' titles say "A to B"
+    lines += _left_out()
+    found = {family.name: shapes(family) for family in documented()}
+    families = sorted(documented(), key=lambda f: f.name.casefold())  # the tables' titles say "A to B"
     tables = -(-len(families) // MOST_FAMILIES_PER_TABLE)
     for n in range(tables):  # tables of as even a size as can be
         chunk = families[n * len(families) // tables:(n + 1) * len(families) // tables]
@@ -313,8 +349,9 @@ def availability_page() -> str:
 def layer_page() -> str:
     lines = [GENERATED, "# Layer", "", "The block shapes, each with its identity in the code's order of addition, "
              "and the families that have it (over the configurations their pages document).", ""]
+    lines += _left_out()
     formulas: dict[str, list[Family]] = {}
-    for family in FAMILIES:
+    for family in documented():
         for shape in shapes(family):
             names = formulas.setdefault(shape.block.formula, [])
             if family not in names:
@@ -359,8 +396,11 @@ def grouped() -> dict[str, list[tuple[Family, list[Shape]]]]:
     """Every family with its block shapes, under its group, by name within a group."""
     groups: dict[str, list[tuple[Family, list[Shape]]]] = {name: [] for name in GROUPS}
     for family in sorted(FAMILIES, key=lambda f: f.name.casefold()):
-        found = shapes(family)
-        groups[group(family, found)].append((family, found))
+        if _refusal(family.name) is None:
+            found = shapes(family)
+            groups[group(family, found)].append((family, found))
+        else:  # its page says why it is not documented here
+            groups["Decoders"].append((family, []))
     return groups
 
 
@@ -372,7 +412,7 @@ def families_index() -> str:
     for name, members in grouped().items():
         lines += [f"## {name}", "", GROUPS[name], "", "| family | model types | block shapes |", "|---|---|---|"]
         lines += [f"| [{family.name}]({slug(family)}.md) | {', '.join(f'`{t}`' for t in family.model_types)} | "
-                  f"{len(found)} |" for family, found in members]
+                  f"{len(found) if found else 'not documented here'} |" for family, found in members]
         lines.append("")
     return "\n".join(lines)
 
@@ -384,11 +424,13 @@ def coverage_page() -> str:
 
     types = causal_lm_types()
     served = {t: f for f in FAMILIES for t in f.model_types if t in types}
-    excluded = [t for t in types if t not in served]
+    excluded = [t for t in types if t not in served and t in EXCLUDED]
+    unknown = [t for t in types if t not in served and t not in EXCLUDED]  # a transformers newer than this nnterp
     lines = [GENERATED, "# Coverage", "",
              f"transformers {transformers.__version__} has {len(types)} causal language model types "
              f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`). nnterp serves **{len(served)}**, each proven on a miniature "
-             f"of its config; the other **{len(excluded)}** are below, each with the reason. A type that a new "
+             f"of its config; **{len(excluded)}** are below, each with the reason"
+             + (f"; **{len(unknown)}** this nnterp does not know" if unknown else "") + ". A type that a new "
              "transformers adds fails the test suite until it is served or classified (`nnterp/families/unserved.py`); "
              "[`register_family`](guide/custom-architecture.md) serves one yourself.", "",
              "| | model types |", "|---|---|", f"| served | {len(served)} |"]
@@ -402,6 +444,12 @@ def coverage_page() -> str:
         if members:
             lines += ["", f"## Not served: {category} ({len(members)})", "", meaning, "", "| model type | why |",
                       "|---|---|"] + [f"| `{t}` | {EXCLUDED[t][1]} |" for t in members]
+    if unknown:
+        lines += ["", f"## Not known to this nnterp ({len(unknown)})", "",
+                  f"transformers {transformers.__version__} has these types and this nnterp's census does not: nobody "
+                  "has read their blocks, so nnterp refuses them (`UnknownArchitecture`). A newer nnterp may serve "
+                  "them; meanwhile `register_family` serves one yourself, and plain nnsight wraps any model.", "",
+                  ", ".join(f"`{t}`" for t in unknown)]
     return "\n".join(lines) + "\n"
 
 

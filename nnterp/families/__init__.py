@@ -99,9 +99,31 @@ SAME_BLOCKS: dict[str, tuple[str, ...]] = {
     "Qwen2-MoE": ("flint",),  # the same
     "Mixtral": ("aria_text", "ernie4_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "mellum", "minimax_m2", "minimax_m3_vl_text", "phimoe", "solar_open",
                 "hy_v3", "mimo_v2_flash", "laguna",  # dense layers named by mlp_layer_types; laguna gates its attention
-                "dots3_note", "dots3_note_text"),  # gated latent attention, heads per layer
+                "dots3_note", "dots3_note_text",  # gated latent attention, heads per layer
+                "minicpm5_moe"),  # transformers 5.25: GLM-4-MoE-Lite's blocks, its attention gated
     "DeepSeek-V3": ("deepseek_v32", "exaone_moe", "glm4_moe", "glm_moe_dsa", "sarvam_mla",
-                    "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2"),
+                    "sarvam_moe", "deepseek_v2", "dots1", "axk1", "axk2",
+                    "param2moe"),  # transformers 5.25: a Glm4MoeForCausalLM
+}
+
+
+# what each of those types is called: a model of one is served by its family's spec under this name, so what it
+# refuses names the model, and says whose blocks it has
+BORROWER_NAMES: dict[str, str] = {
+    "arcee": "Arcee", "cwm": "CWM", "ernie4_5": "ERNIE-4.5", "exaone": "EXAONE", "helium": "Helium",
+    "hunyuan_v1_dense": "Hunyuan-V1-Dense", "internlm3": "InternLM3", "iquestcoder": "IQuestCoder", "jais2": "Jais-2",
+    "ministral": "Ministral", "ministral3": "Ministral-3", "nemotron": "Nemotron", "seed_oss": "Seed-OSS",
+    "youtu": "Youtu", "bitnet": "BitNet", "diffllama": "DiffLlama", "cohere2": "Cohere2",
+    "cohere_compass_text": "Cohere-Compass", "apertus1p5_text": "Apertus-1.5", "llama4": "Llama 4 image-text",
+    "exaone4": "EXAONE-4", "gpt-sw3": "GPT-SW3", "granite_swa": "Granite-SWA", "flint": "Flint",
+    "aria_text": "Aria text", "ernie4_5_moe": "ERNIE-4.5-MoE", "glm4_moe_lite": "GLM-4-MoE-Lite",
+    "hunyuan_v1_moe": "Hunyuan-V1-MoE", "mellum": "Mellum", "minimax_m2": "MiniMax-M2",
+    "minimax_m3_vl_text": "MiniMax-M3-VL text", "phimoe": "PhiMoE", "solar_open": "Solar-Open", "hy_v3": "HY-V3",
+    "mimo_v2_flash": "MiMo-V2-Flash", "laguna": "Laguna", "dots3_note": "dots3-note",
+    "dots3_note_text": "dots3-note text", "deepseek_v32": "DeepSeek-V3.2", "exaone_moe": "EXAONE-MoE",
+    "glm4_moe": "GLM-4-MoE", "glm_moe_dsa": "GLM-MoE-DSA", "sarvam_mla": "Sarvam-MLA", "sarvam_moe": "Sarvam-MoE",
+    "deepseek_v2": "DeepSeek-V2", "dots1": "dots1", "axk1": "A.X-K1", "axk2": "A.X-K2", "minicpm5_moe": "MiniCPM5-MoE",
+    "param2moe": "Param2-MoE",
 }
 
 
@@ -168,6 +190,8 @@ def family_of(config: PretrainedConfig, architecture: str | None = None) -> Fami
             "nnterp.register_family(nnterp.infer_family(config)) where its module names say enough; meanwhile "
             "plain nnsight (nnsight.LanguageModel) wraps any model."
         )
+    if model_type in SAME_BLOCKS.get(family.name, ()):  # another family's spec: the model is named as itself
+        family = dataclasses.replace(family, name=f"{BORROWER_NAMES.get(model_type, model_type)} ({family.name}'s blocks)")
     return for_config(family, config)
 
 

@@ -25,11 +25,17 @@ The attention computes in its own forward, in two ways:
 With one key-value head (``multi_query``) the keys and values have one head; the new architecture
 (``new_decoder_architecture=True``) repeats each key-value head for its query heads when it splits the fused
 projection, so its keys and values have one head per query head.
+
+From transformers 5.25 on, Falcon's attention calls transformers' attention interface, as Llama's does (ALiBi
+comes in the attention mask): its internals are read at the standard places there, where the installed
+``FalconAttention`` calls it, and the keys and values of the new architecture have their key-value heads.
 """
+
+import inspect
 
 import transformers
 
-from ..spec.attention import OwnCode
+from ..spec.attention import STANDARD, OwnCode
 from ..spec.errors import UnsupportedConfig
 from .base import Family, output, parallel_block, pre_norm_block, stream_and_none
 
@@ -44,6 +50,16 @@ ALIBI = OwnCode(places=(
 
 _MODULES = dict(attention="self_attention", o_proj="self_attention.dense", mlp="mlp", act="mlp.act",
                 down_proj="mlp.dense_4h_to_h")
+
+
+def _attention(config):
+    """The places of the attention's internals in the installed transformers' ``FalconAttention``: its own code
+    (up to transformers 5.24), or its call of the attention interface (5.25 on)."""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    if "attention_interface(" in inspect.getsource(FalconAttention.forward):
+        return STANDARD
+    return ALIBI if config.alibi else ROTARY
 
 
 def _check(config):
@@ -67,7 +83,7 @@ def _block(config, i):
 
 FALCON = Family(
     name="Falcon",
-    attention_internals=lambda config: ALIBI if config.alibi else ROTARY,
+    attention_internals=_attention,
     model_types=("falcon",),
     layers="transformer.h",
     embed_tokens="transformer.word_embeddings",

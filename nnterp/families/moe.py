@@ -7,14 +7,19 @@ first ``first_k_dense_replace`` layers, Qwen-MoE's ``mlp_only_layers`` and
 ``decoder_sparse_step``) have both. GPT-OSS's MLP returns ``(output, router_scores)``.
 
 JetMoE routes the attention too: each token runs ``num_experts_per_tok`` experts of query and
-output projections (``self_attention.experts``) over shared keys and values, so the heads'
-outputs before one output projection (``attention_premix``) and the values inside the attention
-do not exist; its ``self_attention`` returns ``(output, weights, router_logits)``.
+output projections (``self_attention.experts``) over shared keys and values. Its attention is still one
+eager attention over ``num_experts_per_tok x num_key_value_heads`` slots (the config's
+``num_attention_heads``): slot ``s`` is, counting from 0, the token's ``s // num_key_value_heads``-th
+chosen expert (by its router logit, highest first, so another expert from token to token) on key-value
+head ``s % num_key_value_heads`` (the keys and values repeated per expert). So the values inside the
+attention are read as on any family, a slot for a head, and ``attention_premix`` is the attention
+function's output, each slot's before its expert's output projection: there is no one output
+projection, so no ``head_outputs``. Its ``self_attention`` returns ``(output, weights, router_logits)``.
 """
 
 import transformers
 
-from .base import ROUTED, STANDARD, WITH_SINKS, Family, Unavailable, pre_norm_block
+from .base import ROUTED, STANDARD, WITH_SINKS, At, Family, pre_norm_block
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -75,14 +80,14 @@ DEEPSEEK_V3 = _moe("DeepSeek-V3", "deepseek_v3", routed_layer,
                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
 
-_ROUTED_HEADS = Unavailable("a routed mixture of attention heads: each token runs its own experts' output projections, "
-                            "so no single tensor of heads' outputs, and no single attention, exists")
+# each slot's output (expert slot x key-value head) as the attention function returns it, [batch, seq, slots, head_dim]
+_SLOTS_MIXED = At("self_attention", "output", op="attention_interface_1", index=0)
 JETMOE = Family(
     name="JetMoE", model_types=("jetmoe",), attention="self_attention",
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attention", o_proj="", post_norm="post_attention_layernorm",
-        mlp="mlp", act="", down_proj="", attention_premix=_ROUTED_HEADS, mlp_activation=ROUTED, mlp_neurons=ROUTED),
-    attention_internals=_ROUTED_HEADS,
+        mlp="mlp", act="", down_proj="", attention_premix=_SLOTS_MIXED, mlp_activation=ROUTED, mlp_neurons=ROUTED),
+    attention_internals=STANDARD,
     tiny_config=lambda: transformers.JetMoeConfig(
         hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16, intermediate_size=64,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64),

@@ -15,6 +15,8 @@ CATEGORIES: dict[str, str] = {
                     "third sublayer with no standard name.",
     "multimodal": "An image, speech or music model whose language model is not served as such here.",
     "package": "Needs a package that is not installed with nnterp.",
+    "not yet served": "A decoder whose blocks need a spec of their own, not yet written and proven against hooks: "
+                      "the reason says what its blocks do that no existing spec does.",
 }
 
 # category -> what a type of it is, in a sentence (the error that refuses the type)
@@ -23,6 +25,7 @@ _WHAT: dict[str, str] = {
     "decoder half": "the decoder half of an encoder-decoder",
     "multimodal": "a multimodal model whose language model is not served as such",
     "package": "a model that needs a package not installed with nnterp",
+    "not yet served": "a decoder not yet served",
 }
 
 _BERT = ("encoder", "BERT-style encoder blocks (attention, intermediate, output), norms after the adds")
@@ -52,7 +55,17 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                        "and values"),
     "gemma4_unified_assistant": ("multimodal", "a speculative-decoding assistant: its layers read the target model's "
                                                "keys and values"),
+    "ergo": ("not yet served", "after each sublayer's norm, a learned gate per dimension mixes the branch into a "
+                               "rescaled stream (x <- sigmoid(w) * branch + sqrt(1 + sigmoid(w)) * exp(-softplus(w) / 2) "
+                               "* x, ErgoResidualGate): the stream itself is scaled at each add, an identity of its own"),
+    "kolibri1_1": ("not yet served", "Kolibri-1's blocks, but each returns (stream, index pool) and its indexed-attention "
+                                     "layers read keys and values and a pool of candidate keys that earlier blocks "
+                                     "computed, masked by a top-k selection"),
 }
+
+# the causal-LM types of a transformers newer than the one the suite runs on (constraints.txt), by the version that
+# added them: served or classified above, though the installed transformers may not have them
+SINCE: dict[str, str] = {"ergo": "5.25", "kolibri1_1": "5.25", "minicpm5_moe": "5.25", "param2moe": "5.25"}
 
 
 WHERE_SERVED = "docs/coverage.md lists the served types (in code: nnterp.proof.coverage.served_types())"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..families import BY_MODEL_TYPE
-from ..families.unserved import CATEGORIES, EXCLUDED, WHERE_SERVED, why_not_served
+from ..families.unserved import CATEGORIES, EXCLUDED, SINCE, WHERE_SERVED, why_not_served
 
 
 def served_types() -> list[str]:
@@ -33,4 +33,4 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-__all__ = ["CATEGORIES", "EXCLUDED", "WHERE_SERVED", "causal_lm_types", "served_types", "unclassified", "why_not_served"]
+__all__ = ["CATEGORIES", "EXCLUDED", "SINCE", "WHERE_SERVED", "causal_lm_types", "served_types", "unclassified", "why_not_served"]

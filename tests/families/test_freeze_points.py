@@ -93,3 +93,22 @@ def test_router_choice_of_a_dense_block_or_other_experts_is_refused_with_the_rea
     layer = next(i for i, block in enumerate(hf.model.layers) if hasattr(block.feed_forward, "experts"))
     with pytest.raises(AnalysisUnavailable, match="not transformers' standard experts module"):
         cache["expert_indices", layer]
+
+
+def test_longcat_flash_router_choice_is_read_before_the_pairs_that_follow_its_shortcut():
+    """LongCat-Flash's routed shortcut runs inside the block's first pair: its experts' reads come before the
+    shortcut's output and the later pairs (on a transformers whose LongCat experts are the standard module, 5.25)."""
+    from nnterp.analysis import experts_of
+
+    hf, model = build("longcat_flash")
+    try:
+        experts_of(model, 0, "this test")
+    except AnalysisUnavailable as error:
+        pytest.skip(f"the installed transformers' LongCat-Flash experts are not read: {error}")
+    _, cache = model.run_with_cache(IDS)
+    truth = hooked(hf, [f"layers.{i}.mlp.experts" for i in range(model.num_layers)])
+    for i in range(model.num_layers):
+        args, output = truth[f"layers.{i}.mlp.experts"]
+        for name, hooked_tensor in zip(("expert_input", "expert_indices", "expert_weights"), args[:3]):
+            assert torch.equal(cache[name, i], hooked_tensor.view(*IDS.shape, -1)), (i, name)
+        assert torch.equal(cache["expert_output", i], output.view(*IDS.shape, -1))

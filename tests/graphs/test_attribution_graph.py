@@ -315,7 +315,7 @@ def _check(case, tmp_path, widen=None, **options):
 
 REFUSALS = {"doge": "Doge: .*identity", "mamba": "mlp_input at layer 0, which Mamba does not have",
             "gemma4_dense": "Gemma-4.*identity", "xglm": "XGLM: its attention patterns cannot be read to be frozen",
-            "jetmoe": "JetMoE: its attention patterns cannot be read to be frozen"}
+            "jetmoe": "JetMoE: .*not linear in the stream"}  # its experts' gates weigh the attention's slots
 
 
 @pytest.mark.parametrize("case", REFUSALS)

@@ -6,7 +6,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from nnterp.families import BY_MODEL_TYPE, FAMILIES, SAME_BLOCKS
-from nnterp.proof.coverage import CATEGORIES, EXCLUDED, unclassified
+from nnterp.proof.coverage import CATEGORIES, EXCLUDED, SINCE, unclassified
 
 from ..families.test_cpmant import CASES as PROMPT_PREFIX_CASES
 from ..families.test_families import CASES
@@ -34,7 +34,9 @@ def test_every_causal_lm_type_is_served_or_classified():
     assert not missing, f"transformers has causal-LM types nnterp neither serves nor classifies: {missing}. " \
                         "Read their blocks; serve them (nnterp/families/) or classify them in nnterp/families/unserved.py."
     assert not served & set(EXCLUDED), f"served and excluded at once: {sorted(served & set(EXCLUDED))}"
-    assert set(EXCLUDED) <= types, f"classified types transformers no longer has: {sorted(set(EXCLUDED) - types)}"
+    gone = set(EXCLUDED) - types - set(SINCE)  # a type of a newer transformers is classified ahead of it
+    assert not gone, f"classified types transformers no longer has: {sorted(gone)}"
+    assert set(SINCE) <= set(EXCLUDED) | set(BY_MODEL_TYPE), "a newer transformers' type listed in SINCE is neither"
     assert all(category in CATEGORIES and len(reason) > 10 for category, reason in EXCLUDED.values())
     assert {category for category, _ in EXCLUDED.values()} == set(CATEGORIES)  # no empty category
 
@@ -42,6 +44,15 @@ def test_every_causal_lm_type_is_served_or_classified():
 def test_a_type_nobody_has_read_fails_the_census():
     types = [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "brand_new_decoder"]
     assert unclassified(types, BY_MODEL_TYPE) == ["brand_new_decoder"]
+
+
+def test_the_types_of_the_newer_transformers_are_known_on_any_version():
+    """transformers 5.25's four new causal-LM types: two served by an existing spec (tests/families/test_more_types.py
+    proves them against hooks where 5.25 is installed), two classified with their reason; on 5.24 they are simply
+    absent, and the census still holds (test above)."""
+    assert BY_MODEL_TYPE["param2moe"].name == "DeepSeek-V3" and BY_MODEL_TYPE["minicpm5_moe"].name == "Mixtral"
+    assert EXCLUDED["ergo"][0] == EXCLUDED["kolibri1_1"][0] == "not yet served"
+    assert unclassified([*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *SINCE], BY_MODEL_TYPE) == []
 
 
 def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
@@ -65,7 +76,7 @@ def test_every_served_type_is_proven_on_its_miniature_by_the_suite():
     cased |= {model_type for model_type, *_ in MINIMAX_CASES.values()}  # test_minimax.py
     more = {t for types in SAME_BLOCKS.values() for t in types}
     assert {t for family in FAMILIES for t in family.model_types} == cased | more
-    assert all(t in CONFIG_MAPPING for t in cased | more)
+    assert all(t in CONFIG_MAPPING or t in SINCE for t in cased | more)
 
 
 
@@ -76,3 +87,38 @@ def test_the_families_are_one_sorted_tuple_and_each_type_has_one_spec():
     assert len(set(names)) == len(names)
     claims = [model_type for family in FAMILIES for model_type in family.model_types]
     assert len(set(claims)) == len(claims), sorted({t for t in claims if claims.count(t) > 1})
+
+
+def test_the_coverage_page_names_a_type_the_census_does_not_know(monkeypatch):
+    """A transformers newer than this nnterp: the page is written, and lists the type it does not know, refused."""
+    from nnterp.documentation import coverage_page
+    from nnterp.proof import coverage
+
+    types = coverage.causal_lm_types()
+    monkeypatch.setattr(coverage, "causal_lm_types", lambda: sorted([*types, "brand_new_decoder"]))
+    page = coverage_page()
+    assert "## Not known to this nnterp (1)" in page and "`brand_new_decoder`" in page
+    assert "**1** this nnterp does not know" in page
+
+
+def test_a_family_whose_pages_cannot_be_made_gets_a_page_that_says_why(monkeypatch):
+    """A family whose classes fail under the installed transformers: its page names the failure, the other pages
+    leave it out and say so, and the build goes on (a newer transformers than the suite's)."""
+    import dataclasses
+
+    from nnterp import documentation
+
+    def missing_class():
+        raise AttributeError("module transformers has no attribute BrokenConfig")
+
+    gpt2 = next(family for family in FAMILIES if family.name == "GPT-2")
+    broken = dataclasses.replace(gpt2, name="Broken-Test-Family", model_types=("broken_test",), tiny_config=missing_class)
+    monkeypatch.setattr(documentation, "FAMILIES", (gpt2, broken))
+    page = documentation.family_page(broken)
+    assert "**This page could not be made**: with transformers" in page
+    assert "AttributeError: module transformers has no attribute BrokenConfig" in page
+    left_out = "Not documented with this transformers (each page says why): [Broken-Test-Family]"
+    assert left_out in documentation.availability_page() and left_out in documentation.layer_page()
+    assert "| [Broken-Test-Family](broken-test-family.md) | `broken_test` | not documented here |" \
+        in documentation.families_index()
+    assert "| [GPT-2](gpt-2.md) | " in documentation.families_index()  # the others as before

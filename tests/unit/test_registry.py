@@ -114,5 +114,6 @@ def test_replacing_a_built_in_family_and_undoing_it():
     try:
         assert family_of(llama.tiny_config()) is mine
     finally:
-        unregister_family("llama")
-    assert BY_MODEL_TYPE["llama"] is llama
+        for model_type in mine.model_types:  # every type it took (Llama's own and those with Llama's blocks)
+            unregister_family(model_type)
+    assert BY_MODEL_TYPE["llama"] is llama and BY_MODEL_TYPE["arcee"] is llama
