@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from typing import Any
 
 import nnsight
@@ -25,7 +26,7 @@ from ..core.engine import ValueOutsideTrace
 from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
-from .places import FUSED, Place, VLLMFamily, family_for
+from .places import FUSED, Place, VLLMFamily, served_family
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
 # imports it in its own processes
@@ -39,10 +40,20 @@ ONE_PROMPT = ("vLLM runs one request per invoke: give each prompt its own `with 
 
 class StreamAt:
     """Host of the stream's eproperty at one boundary (nnsight reads ``"{path}.{key}"``): the block's output, or a
-    fused norm's or the block's inputs, whose elements ``parts`` are the stream's two halves."""
+    fused norm's or the block's inputs, whose elements ``parts`` are the stream's two halves.
 
-    def __init__(self, path: str, side: str, parts: tuple[int, int]):
+    The stream is handed on as ``(0, stream)``, spliced into the step's slab (a copy) at the trace's next request:
+    an in-place edit of the tensor read after that would not reach the model. Two things keep that from being
+    silent. A block's output and the next block's input are one tensor on transformers: read in the same step, the
+    input is served as the very tensor the output read gave (``reuse``), so the edit reaches the model at the
+    input's own hand-back. Any other edit after the hand-back is refused at the trace's next standard read
+    (``handed``: the tensor's version when it was handed on)."""
+
+    def __init__(self, path: str, side: str, parts: tuple[int, int], reuse=None):
         self.path, self.side, self.parts = path, side, parts
+        self.reuse = reuse  # (mediator, occurrence, tensor): the previous block's output read, if any
+        self.reused = False
+        self.handed = None
 
     def halves(self, raw) -> tuple[torch.Tensor, torch.Tensor | None]:
         items = raw if self.side == "output" else raw[0]
@@ -62,12 +73,56 @@ class StreamAt:
 
 
 def _stream_view(host: StreamAt, raw) -> torch.Tensor:
+    if host.reuse is not None:
+        mediator, occurrence, tensor = host.reuse
+        if mediator.occurrence(f"{host.path}.{host.side}") == occurrence:  # the same step: the same tensor
+            host.reused = True
+            return tensor
     first, second = host.halves(raw)
-    return (first if second is None else first + second).unsqueeze(0)
+    # a tensor of its own, made outside vLLM's inference mode so that it counts its in-place edits (``handed``)
+    with torch.inference_mode(False):
+        return (first.clone() if second is None else first + second).unsqueeze(0)
 
 
 def _stream_back(host: StreamAt, view: torch.Tensor, raw):
+    host.handed = view._version  # spliced into the slab now: a later in-place edit would not reach the model
     return host.with_stream(raw, view.squeeze(0))
+
+
+# per invoke (on its mediator): the streams read, [(host, tensor, label)], and the last block output read
+STREAMS, LAST_OUTPUT = "_nnterp_streams", "_nnterp_last_stream_output"
+
+
+def _check_streams(mediator) -> None:
+    """Refuse an in-place edit of a stream made after it was handed on (it would not reach the model)."""
+    for host, view, label in getattr(mediator, STREAMS, ()):
+        if host.handed is not None and view._version != host.handed:
+            raise BadAssignment(
+                f"{label} was edited in place after the trace read a later value: vLLM had already taken the stream "
+                f"on (its fused residual is two tensors, added into a new one), so the edit would not reach the "
+                f"model, where on transformers it would. Edit {label} before reading a later value (or read "
+                f"layers[i + 1].layer_input, the same tensor, and edit it there).")
+
+
+def _read_stream(envoy, place: Place, name: str, location: str, mediator) -> torch.Tensor:
+    """The stream at ``place``: the sum of its halves, or the tensor the previous block's output read gave."""
+    path = location.rpartition(".")[0]
+    between = place.path == ""
+    layer = envoy._nnterp_layer
+    last = getattr(mediator, LAST_OUTPUT, None) if between and place.side == "input" else None
+    reuse = last[1:] if last is not None and last[0] == layer - 1 else None
+    host = StreamAt(path, place.side, place.parts, (mediator, *reuse) if reuse else None)
+    view = (STREAM_OUTPUT if place.side == "output" else STREAM_INPUT).__get__(host)
+    streams = getattr(mediator, STREAMS, None)
+    if streams is None:
+        streams = []
+        setattr(mediator, STREAMS, streams)
+    if host.reused:  # handed on by this read now: the output read's own hand-back no longer counts
+        streams[:] = [entry for entry in streams if entry[1] is not view]
+    streams.append((host, view, f"layers[{layer}].{name}"))
+    if between and place.side == "output" and not envoy._nnterp_last:
+        setattr(mediator, LAST_OUTPUT, (layer, mediator.occurrence(location), view))
+    return view
 
 
 class CopyAt:
@@ -138,9 +193,10 @@ def read_value(envoy, name: str) -> torch.Tensor:
     if not _inside_a_trace():
         return ValueOutsideTrace(f"layers[{envoy._nnterp_layer}]", value_named(name).key, place.describe())
     location = _location(envoy, place)
+    mediator = Mediator.current(location)
+    _check_streams(mediator)
     if place.read == "sum":
-        host = StreamAt(location.rpartition(".")[0], place.side, place.parts)
-        return (STREAM_OUTPUT if place.side == "output" else STREAM_INPUT).__get__(host)
+        return _read_stream(envoy, place, name, location, mediator)
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
     return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)))
@@ -150,9 +206,11 @@ def write_value(envoy, name: str, value) -> None:
     """Inside a trace: replace the value ``name`` (``[1, tokens, ...]``, the shape it is read with)."""
     place = _place_of(envoy, name)
     location = _location(envoy, place)
+    _check_streams(Mediator.current(location))
     raw = Mediator.value(location)
+    stream = StreamAt("", place.side, place.parts)
     if place.read == "sum":
-        first, second = StreamAt("", place.side, place.parts).halves(raw)
+        first, second = stream.halves(raw)
         current = first
     else:
         current = _tensor_of(place, raw)
@@ -168,7 +226,7 @@ def write_value(envoy, name: str, value) -> None:
                             f"on {value.device}: convert it first (value.to(...)).")
     flat = value.reshape(current.shape)
     if place.read == "sum":
-        Mediator.swap(location, StreamAt("", place.side, place.parts).with_stream(raw, flat))
+        Mediator.swap(location, stream.with_stream(raw, flat))
     elif place.shared:
         current.copy_(flat)
     elif place.side == "input":
@@ -241,6 +299,21 @@ def _cpu_meta_build():
         yield
 
 
+def _is_prompt_list(prompts) -> bool:
+    """A list of prompts (strings, or lists of token ids), not one prompt of token ids."""
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
+
+
+def _salted(prompt):
+    """A traced request with a salt of its own (vLLM's ``cache_salt``): the KV its interventions computed is never
+    served to another request from the prefix cache, and (with nnsight's own ``skip_reading_prefix_cache``) it
+    reads none computed without them. Untraced requests (``model.generate`` outside a ``with``) keep sharing."""
+    salt = uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    return {**prompt, "cache_salt": salt}
+
+
 class StandardizedVLLM(VLLM):
     """A vLLM engine whose blocks expose nnterp's standard values under the standard names.
 
@@ -275,8 +348,10 @@ class StandardizedVLLM(VLLM):
     def __init__(self, model: str | os.PathLike, *args: Any, dtype: str | torch.dtype = "auto", **engine_kwargs: Any):
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model).get_text_config()
-        family = family_for(config.model_type)
+        full_config = AutoConfig.from_pretrained(model)
+        config = full_config.get_text_config()
+        # by the class vLLM's registry will run (its own, or its Transformers backend), before any engine starts
+        family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
         if config.model_type == "falcon" and (config.new_decoder_architecture or not config.parallel_attn or
                                               config.alibi):
             raise NotImplementedError(
@@ -312,6 +387,7 @@ class StandardizedVLLM(VLLM):
                 envoy._nnterp_family = family
                 envoy._nnterp_block_path = block.path
                 envoy._nnterp_heads = config.num_attention_heads
+                envoy._nnterp_last = layer == self.num_layers - 1
 
     def _load_meta(self, *args: Any, **kwargs: Any):
         with _cpu_meta_build():
@@ -327,7 +403,7 @@ class StandardizedVLLM(VLLM):
                 raise ValueError(f"StandardizedVLLM takes one prompt per invoke, got a batch of {ids.shape[0]}: "
                                  f"{ONE_PROMPT}.")
             inputs = (ids.reshape(-1).tolist(),)
-        return VLLM._prompt(self, *inputs)
+        return _salted(VLLM._prompt(self, *inputs))
 
     # -- model-level names ---------------------------------------------------------------------------------------
     @property
@@ -355,6 +431,7 @@ class StandardizedVLLM(VLLM):
     def logits(self) -> torch.Tensor:
         """Inside a trace: the logits vLLM samples this step's token from, ``[1, 1, vocab]`` per invoke (the last
         position only: vLLM computes no others). Assign a ``[1, 1, vocab]`` tensor to replace them."""
+        _check_streams(Mediator.current("model.logits"))
         return VLLM.logits.__get__(self).unsqueeze(1)
 
     @logits.setter
@@ -430,9 +507,51 @@ class StandardizedVLLM(VLLM):
         "attribution_patching": "it needs gradients, and vLLM runs inference only",
         "collect": "it runs padded batches of prompts per forward pass, and vLLM takes one prompt per invoke; save "
                    "the values of each prompt's own invoke inside one model.trace() instead",
-        "steered_generate": "it drives transformers' generate; use the engine's own model.steered_generate(prompt, "
-                            "layers, vector, ...), which adds the vector at every step of vLLM's generation",
+        "splice": "it follows how far transformers' forward has run through nnsight's module counts and rewrites "
+                  "the site through the core's engine, which vLLM's blocks do not run. Encode and decode by hand "
+                  "inside the trace: `h = model.layers[i].layer_output; h[:] = dictionary.decode("
+                  "dictionary.encode(h))`",
+        "top_activations": "it encodes the prompts as one padded batch in one forward pass (splice's machinery); "
+                           "vLLM takes one prompt per invoke. Encode each prompt's value in its own invoke",
+        "patchscope_lens": "it runs the source prompts and a batch of patched copies of the target prompt as padded "
+                           "batches in one invoke each; vLLM takes one prompt per invoke. Save the source value in "
+                           "one trace and assign it in the target's (as patching by hand)",
+        "run_prompts": "it runs padded batches of prompts and reads the logits at each prompt's last position of "
+                       "the batch; vLLM takes one prompt per invoke. Read model.next_token_probs in one invoke per "
+                       "prompt",
+        "skip_layers": "it replaces the blocks' calls by nnsight's skip with the transformers family's output "
+                       "container (model.family.skip_output); vLLM's fused blocks take and return the stream in two "
+                       "halves. Assign the stream instead: `model.layers[end].layer_output = "
+                       "model.layers[start].layer_input` (the blocks between still run)",
+        "test_prompt": "it reads the logits at every answer position of prompt + answer; vLLM computes the logits at "
+                       "the last position only. Read model.project_on_vocab(model.layers[-1].layer_output) inside "
+                       "a trace for every position",
+        "attribution_graph": "it needs gradients through a frozen replacement pass, and vLLM runs inference only",
     }
+    # nnterp's tools that run on StandardizedVLLM (the tests check this table and REFUSED_TOOLS against nnterp's
+    # tool list): those with a model of their own here (tool_implementation), and those that need only the
+    # tokenizer or a trace of one prompt per invoke
+    RUNNING_TOOLS = ("add_to", "steered_generate", "to_str_tokens", "top_tokens")
+
+    def tool_implementation(self, tool: str):
+        """The engine's own implementation of nnterp's ``tool`` (``nnterp.tools.refusals.own_tool``), or None."""
+        return {"steered_generate": self._steered_generate_tool}.get(tool)
+
+    def _steered_generate_tool(self, prompts, layers, vector, *, scope="all", positions=None, batch=None,
+                               remote=False, **kwargs):
+        """``nnterp.steered_generate`` on the engine: its arguments that vLLM's generation has no counterpart of
+        are refused; the others go to ``model.steered_generate``."""
+        asked = {"scope": scope != "all", "positions": positions is not None, "batch": batch is not None,
+                 "remote": bool(remote)}
+        if any(asked.values()):
+            raise NotImplementedError(
+                f"steered_generate on StandardizedVLLM adds the vector at every position of every step of each "
+                f"prompt's own request; {', '.join(k for k, v in asked.items() if v)} "
+                "cannot be honoured there. Leave them out, or write the steering in a trace (`with "
+                "model.trace(prompt, max_tokens=n) as tracer: for step in tracer.iter[0:n]: ...`).")
+        if "do_sample" in kwargs:  # transformers' spelling: greedy is vLLM's temperature 0
+            kwargs.setdefault("temperature", 1.0 if kwargs.pop("do_sample") else 0.0)
+        return self.steered_generate(prompts, layers, vector, **kwargs)
 
     def refuse_tool(self, tool: str) -> None:
         """Raise ``NotImplementedError`` naming why ``tool`` cannot run on vLLM and what to do, where it cannot."""
@@ -440,26 +559,42 @@ class StandardizedVLLM(VLLM):
         if reason is not None:
             raise NotImplementedError(f"{tool} does not run on StandardizedVLLM: {reason}.")
 
-    def steered_generate(self, prompt, layers, vector: torch.Tensor, *, value: str = "layer_output",
+    def steered_generate(self, prompts, layers, vector: torch.Tensor, *, value: str = "layer_output",
                          factor: float = 1.0, max_new_tokens: int = 20, **sampling: Any) -> torch.Tensor:
-        """Generate from one ``prompt`` with ``factor * vector`` added in place to ``value`` of ``layers`` at every
-        position of every step (the prompt's pass, then each generated token's), greedily unless ``sampling`` says
-        otherwise (vLLM's ``SamplingParams``: ``temperature``, ``top_p``, ...). Exactly ``max_new_tokens`` tokens
-        are generated (``ignore_eos``). Returns the token ids ``[1, prompt + new]``, as ``nnterp.steered_generate``
-        does on transformers."""
-        layers = [layers] if isinstance(layers, int) else sorted(layers)
+        """Generate from ``prompts`` with ``factor * vector`` added in place to ``value`` of ``layers`` (negatives
+        count from the end) at every position of every step (the prompt's pass, then each generated token's),
+        greedily unless ``sampling`` says otherwise (vLLM's ``SamplingParams``: ``temperature``, ``top_p``, ...).
+        Exactly ``max_new_tokens`` tokens are generated (``ignore_eos``). ``prompts`` is one prompt, or a list of
+        them: each is its own request (its own invoke) in one trace, which vLLM batches. Returns the token ids
+        ``[prompts, longest prompt + new]``, shorter prompts padded on the left with the tokenizer's pad token,
+        as ``nnterp.steered_generate`` returns them from transformers' generate of a left-padded batch."""
+        batch = list(prompts) if _is_prompt_list(prompts) else [prompts]
+        if not batch:
+            raise ValueError("steered_generate takes a prompt or a non-empty list of prompts, got an empty list.")
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        layers = sorted({self.block_spec(layer) for layer in layers})  # wrapped, then in forward order
         owner = value_named(value).owner
         if max_new_tokens < 1:
             raise ValueError(f"steered_generate generates at least one token; max_new_tokens={max_new_tokens}.")
+        if not isinstance(vector, torch.Tensor) or vector.shape[-1] != self.hidden_size:
+            raise ValueError(f"steered_generate adds a vector of the model's width ({self.hidden_size}); got "
+                             f"{list(getattr(vector, 'shape', [type(vector).__name__]))}.")
         sampling.setdefault("temperature", 0.0)
-        with torch.no_grad(), self.trace(prompt, max_tokens=max_new_tokens, ignore_eos=True, **sampling) as tracer:
-            for _step in tracer.iter[0:max_new_tokens]:
-                for layer in layers:  # in forward order
-                    block = self.layers[layer]
-                    steered = getattr(block if owner == "block" else getattr(block, owner), value)
-                    steered[:] += factor * vector
-            output = nnsight.save(tracer.result)
-        return torch.tensor([[*output.prompt_token_ids, *output.outputs[0].token_ids]])
+        with torch.no_grad(), self.trace(max_tokens=max_new_tokens, ignore_eos=True, **sampling) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    for _step in tracer.iter[0:max_new_tokens]:
+                        for layer in layers:  # in forward order
+                            block = self.layers[layer]
+                            steered = getattr(block if owner == "block" else getattr(block, owner), value)
+                            steered[:] += factor * vector
+                    output = nnsight.save(tracer.result)
+        outputs = output if isinstance(output, list) else [output]
+        rows = [[*out.prompt_token_ids, *out.outputs[0].token_ids] for out in outputs]
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        width = max(len(row) for row in rows)
+        return torch.tensor([[pad] * (width - len(row)) + row for row in rows])
 
     def availability(self, layer: int) -> AvailabilityTable:
         """Every standard value of block ``layer``: where it is read in vLLM's code, or why it has no place."""
