@@ -24,7 +24,7 @@ from nnsight.modeling.vllm import VLLM
 
 from ..core.engine import ValueOutsideTrace
 from ..core.order import Availability, AvailabilityTable
-from ..spec.catalog import CATALOG, value_named
+from ..spec.catalog import ADDED, CATALOG, STREAM, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
 from .places import FUSED, Place, VLLMFamily, served_family
 
@@ -490,10 +490,6 @@ class StandardizedVLLM(VLLM):
 
     # nnterp's tools that StandardizedVLLM cannot run, and why (nnterp.tools.refusals asks at each tool's entry)
     REFUSED_TOOLS = {
-        "logit_lens": "it tokenizes its prompts as one padded batch in one invoke, and vLLM takes one prompt per "
-                      "invoke. Read the stream inside a trace and apply model.project_on_vocab: `with "
-                      "model.trace(prompt, max_tokens=1): probs = [model.project_on_vocab(model.layers[i]."
-                      "layer_output).softmax(-1).save() for i in range(model.num_layers)]`",
         "run_with_cache": "it runs a padded batch in one forward pass and returns the logits at every position; "
                           "vLLM takes one prompt per invoke and computes the logits at the last position only. "
                           "Save the values inside `with model.trace(prompt):` (under tracer.iter for generated "
@@ -531,11 +527,46 @@ class StandardizedVLLM(VLLM):
     # nnterp's tools that run on StandardizedVLLM (the tests check this table and REFUSED_TOOLS against nnterp's
     # tool list): those with a model of their own here (tool_implementation), and those that need only the
     # tokenizer or a trace of one prompt per invoke
-    RUNNING_TOOLS = ("add_to", "steered_generate", "to_str_tokens", "top_tokens")
+    RUNNING_TOOLS = ("add_to", "steered_generate", "logit_lens", "to_str_tokens", "top_tokens")
 
     def tool_implementation(self, tool: str):
         """The engine's own implementation of nnterp's ``tool`` (``nnterp.tools.refusals.own_tool``), or None."""
-        return {"steered_generate": self._steered_generate_tool}.get(tool)
+        return {"steered_generate": self._steered_generate_tool, "logit_lens": self._logit_lens_tool}.get(tool)
+
+    def _logit_lens_tool(self, prompts, layers=None, value: str = "layer_output", position: int | None = -1,
+                         remote: bool | str = False, return_inv_logits: bool = False, lens=None):
+        """``nnterp.logit_lens`` on the engine: each prompt its own request (one trace, one invoke each), each
+        layer's ``value`` through ``project_on_vocab`` at ``position`` of the prompt's own tokens. Returns
+        ``[prompts, layers, vocab]`` as on transformers; ``position=None`` (every position) takes prompts of one
+        length, ``[prompts, layers, seq, vocab]`` (transformers' padded batch has no unpadded counterpart)."""
+        if remote or lens is not None:
+            raise NotImplementedError("logit_lens on StandardizedVLLM runs on the local engine with the plain "
+                                      "readout: remote= and lens= (the tuned lens) are transformers' only.")
+        name = value.rpartition(".")[2]
+        if name not in STREAM + ADDED:
+            raise ValueError(f"logit_lens reads one of {', '.join(STREAM + ADDED)}, not {value!r}.")
+        batch = [prompts] if isinstance(prompts, str) or not _is_prompt_list(prompts) else list(prompts)
+        wanted = range(self.num_layers) if layers is None else [layers] if isinstance(layers, int) else layers
+        wanted = [self.block_spec(layer) for layer in wanted]  # in the order asked for, repeats included
+        signs = (1, -1) if return_inv_logits else (1,)
+        with torch.no_grad(), self.trace(temperature=0.0, max_tokens=1) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    per_layer = {}
+                    for layer in sorted(set(wanted)):  # in forward order
+                        hidden = self.read_value(layer, name)
+                        hidden = hidden if position is None else hidden[:, position].unsqueeze(1)
+                        per_layer[layer] = [self.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu()
+                                            for sign in signs]
+                    rows = nnsight.save({"lens": [torch.stack([per_layer[layer][k] for layer in wanted], dim=1)
+                                                  for k in range(len(signs))]})
+        rows = rows if isinstance(rows, list) else [rows]  # one saved value per invoke
+        if position is None and len({row["lens"][0].shape[2] for row in rows}) > 1:
+            raise ValueError("logit_lens(position=None) on StandardizedVLLM takes prompts of one length (each runs "
+                             "unpadded as its own request); give a position, or one prompt per call.")
+        lenses = [torch.cat([row["lens"][k] for row in rows]) for k in range(len(signs))]
+        lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
+        return tuple(lenses) if return_inv_logits else lenses[0]
 
     def _steered_generate_tool(self, prompts, layers, vector, *, scope="all", positions=None, batch=None,
                                remote=False, **kwargs):

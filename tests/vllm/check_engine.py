@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from check_vllm import blocks_of, build, greedy  # noqa: E402
+from check_vllm import blocks_of, build, greedy, readout  # noqa: E402
 
 LONG = [(5 * i + 3) % 120 + 3 for i in range(72)]  # more than two blocks of 32: the prefix cache keeps two
 PROMPTS = [[5, 17, 33, 9, 60, 41, 12], [7, 8, 99, 3], LONG[:20]]
@@ -135,6 +135,26 @@ def main(family: str) -> dict:
                                                              max_new_tokens=STEPS).tolist()),
         "expected_rows": [[pad] * (width - len(p)) + p + steered_greedy(hf, p, [0, 1], vector) for p in PROMPTS],
         "unsteered": [greedy(hf, p, STEPS) for p in PROMPTS]}
+
+    # the logit lens over a list of prompts: each layer's stream through transformers' own final norm and head
+    lens_prompts = ["w5 w17 w33 w9", "w7 w8"]
+    def lens_truth(text):
+        ids = model.tokenizer(text)["input_ids"]
+        streams = {}
+        handles = [block.register_forward_hook(lambda _m, _a, out, i=i: streams.__setitem__(i, out[0] if isinstance(
+            out, tuple) else out)) for i, block in enumerate(blocks)]
+        try:
+            with torch.no_grad():
+                hf(torch.tensor([ids]))
+                return torch.stack([readout(hf, streams[i])[0, -1].softmax(-1) for i in (0, model.num_layers - 1, 1)])
+        finally:
+            for handle in handles:
+                handle.remove()
+    got = attempt(lambda: nnterp.logit_lens(model, lens_prompts, layers=[0, -1, 1]))
+    want = torch.stack([lens_truth(text) for text in lens_prompts])
+    result["lens"] = got if isinstance(got, str) else {
+        "shape": list(got.shape), "diff": float((got - want).abs().max()), "layers_differ": float((want[:, 0] -
+                                                                                                     want[:, 1]).abs().max())}
 
     # every nnterp tool that takes a model: in the engine's table, and refused at its entry where it says so
     import inspect

@@ -62,6 +62,12 @@ def test_a_list_of_prompts_is_steered_token_for_token_as_on_transformers(engine)
     assert [row[-6:] for row in batch["rows"]] != batch["unsteered"], "the steering changes nothing"
 
 
+def test_the_logit_lens_of_a_list_of_prompts_is_transformers_readout_of_the_hooked_streams(engine):
+    lens = engine["lens"]
+    assert isinstance(lens, dict), lens
+    assert lens["shape"] == [2, 3, 128] and lens["diff"] < 1e-5 and lens["layers_differ"] > 1e-3, lens
+
+
 def test_every_tool_runs_or_is_refused_at_its_entry_saying_why(engine):
     """Each of nnterp's tools that takes a model is in the engine's table (the refused ones with their reason,
     raised before anything runs); the ones the table says run are tested above or here."""

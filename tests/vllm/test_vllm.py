@@ -130,10 +130,10 @@ def test_patching_by_hand_across_two_traces_is_the_hooked_patch(measured):
 
 def test_tools_that_need_batches_or_every_logit_are_refused_at_their_entry(measured):
     refused = measured["tool_refusals"]
-    assert set(refused) == {"logit_lens", "run_with_cache", "activation_patching", "attribution_patching", "collect"}
+    assert set(refused) == {"run_with_cache", "activation_patching", "attribution_patching", "collect"}
     for tool, error in refused.items():
         assert error is not None and error.startswith(f"NotImplementedError: {tool} does not run on StandardizedVLLM"), error
-    assert "project_on_vocab" in refused["logit_lens"] and "last position only" in refused["run_with_cache"]
+    assert "last position only" in refused["run_with_cache"]
     assert "gradients" in refused["attribution_patching"]
 
 
