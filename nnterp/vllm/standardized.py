@@ -89,13 +89,14 @@ def _stream_back(host: StreamAt, view: torch.Tensor, raw):
     return host.with_stream(raw, view.squeeze(0))
 
 
-# per invoke (on its mediator): the streams read, [(host, tensor, label)], and the last block output read
+# per invoke (on its mediator): the streams read in the current step, (step, [(host, tensor, label)]), and the last
+# block output read
 STREAMS, LAST_OUTPUT = "_nnterp_streams", "_nnterp_last_stream_output"
 
 
 def _check_streams(mediator) -> None:
     """Refuse an in-place edit of a stream made after it was handed on (it would not reach the model)."""
-    for host, view, label in getattr(mediator, STREAMS, ()):
+    for host, view, label in getattr(mediator, STREAMS, (0, ()))[1]:
         if host.handed is not None and view._version != host.handed:
             raise BadAssignment(
                 f"{label} was edited in place after the trace read a later value: vLLM had already taken the stream "
@@ -113,15 +114,16 @@ def _read_stream(envoy, place: Place, name: str, location: str, mediator) -> tor
     reuse = last[1:] if last is not None and last[0] == layer - 1 else None
     host = StreamAt(path, place.side, place.parts, (mediator, *reuse) if reuse else None)
     view = (STREAM_OUTPUT if place.side == "output" else STREAM_INPUT).__get__(host)
+    step = mediator.occurrence(location)
     streams = getattr(mediator, STREAMS, None)
-    if streams is None:
-        streams = []
+    if streams is None or streams[0] != step:  # a new step (a generated token's pass): the earlier ones are done
+        streams = (step, [])
         setattr(mediator, STREAMS, streams)
     if host.reused:  # handed on by this read now: the output read's own hand-back no longer counts
-        streams[:] = [entry for entry in streams if entry[1] is not view]
-    streams.append((host, view, f"layers[{layer}].{name}"))
+        streams[1][:] = [entry for entry in streams[1] if entry[1] is not view]
+    streams[1].append((host, view, f"layers[{layer}].{name}"))
     if between and place.side == "output" and not envoy._nnterp_last:
-        setattr(mediator, LAST_OUTPUT, (layer, mediator.occurrence(location), view))
+        setattr(mediator, LAST_OUTPUT, (layer, step, view))
     return view
 
 
@@ -330,15 +332,18 @@ class StandardizedVLLM(VLLM):
     value in place or assign it: the edit reaches the next module as the same edit does on the transformers model.
     ``model.logits`` is ``[1, 1, vocab]``: vLLM computes the logits at the last position only (the one it samples).
     ``model.project_on_vocab(h)`` reads any stream out at every position (the final norm and the head, as pure
-    tensor steps). ``model.steered_generate(prompt, layers, vector)`` adds a vector at every step of a greedy
-    generation; ``nnterp.add_to`` works inside a trace. The tools that batch prompts in one invoke or read the
-    logits at every position (``logit_lens``, ``run_with_cache``, ``activation_patching``, ``collect``) are refused
-    at their entry, saying what to do instead (``REFUSED_TOOLS``).
+    tensor steps). ``model.steered_generate(prompts, layers, vector)`` adds a vector at every step of a greedy
+    generation of one prompt or a list (each its own request); ``nnterp.steered_generate`` and
+    ``nnterp.logit_lens`` run on the engine the same way, and ``nnterp.add_to`` works inside a trace. The tools that
+    batch prompts in one invoke, read the logits at every position or need gradients are refused at their entry,
+    saying what to do instead (``REFUSED_TOOLS``; ``RUNNING_TOOLS`` are those that run).
 
     What differs from transformers: the stream of a fused family (Llama's shape) is computed by the read (the sum
-    of the block's two parts) and handed on as ``(0, stream)``: exact in float32; in bfloat16 the next norm then
-    sees the rounded stream, as transformers' does, where vLLM's own fused add normalizes the unrounded float32
-    sum. vLLM's CUDA kernels for the fused add-and-norm write in place into the tensors they receive (the sublayers'
+    of the block's two parts) and handed on as ``(0, stream)`` at the trace's next read: exact in float32; in
+    bfloat16 the next norm then sees the rounded stream, as transformers' does, where vLLM's own fused add
+    normalizes the unrounded float32 sum. A stream edited in place after it was handed on is refused (``StreamAt``).
+    Traced requests are salted out of the prefix cache (``cache_salt``); untraced ``model.generate`` shares it.
+    vLLM's CUDA kernels for the fused add-and-norm write in place into the tensors they receive (the sublayers'
     outputs): there, clone a contribution you keep past its block (nnsight's ``NNSIGHT_VLLM_CLONE_READS=1`` does
     it for every read); the CPU build's native kernels do not.
     """
