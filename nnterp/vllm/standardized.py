@@ -616,14 +616,23 @@ class StandardizedVLLM(VLLM):
             raise ValueError(f"steered_generate adds a vector of the model's width ({self.hidden_size}); got "
                              f"{list(getattr(vector, 'shape', [type(vector).__name__]))}.")
         sampling.setdefault("temperature", 0.0)
+        place = self.vllm_family.values.get(value_named(value).name)
+        # a fused block's output: the vector added in place to the first of the stream's two parts, which the next
+        # fused add sums (exact up to float32 rounding) with no hand-back of the stream (a copy of the step's slab
+        # per request and block); any other value through its standard read
+        half = place.parts[0] if place is not None and place.read == "sum" and place.path == "" and \
+            place.side == "output" else None
         with torch.no_grad(), self.trace(max_tokens=max_new_tokens, ignore_eos=True, **sampling) as tracer:
             for prompt in batch:
                 with tracer.invoke(prompt):
                     for _step in tracer.iter[0:max_new_tokens]:
                         for layer in layers:  # in forward order
                             block = self.layers[layer]
-                            steered = getattr(block if owner == "block" else getattr(block, owner), value)
-                            steered[:] += factor * vector
+                            if half is not None:
+                                block.output[half][:] += factor * vector
+                            else:
+                                steered = getattr(block if owner == "block" else getattr(block, owner), value)
+                                steered[:] += factor * vector
                     output = nnsight.save(tracer.result)
         outputs = output if isinstance(output, list) else [output]
         rows = [[*out.prompt_token_ids, *out.outputs[0].token_ids] for out in outputs]
