@@ -6,7 +6,8 @@ greedy tokens generated), the medians of a few rounds of: (a) the engine's own `
 nnsight on the same engine, one invoke per prompt, the vector added in place to the native output of two blocks
 every step, (c) ``model.steered_generate(prompts, ...)`` (nnterp: the standard ``layer_output``, the fused stream
 read as a sum and handed on), (d) ``nnterp.steered_generate`` on transformers over the same weights, one
-left-padded batch. Prints tokens/s and the ratios the issue tracks: (c)/(b) and (c)/(a) in time.
+left-padded batch, (e) the same steering written in a trace on the standard value (``layer_output[:] += v``: the
+fused stream read as a sum and handed on, a copy of the step's slab per request and block). Prints tokens/s and the ratios the issue tracks: (c)/(b) and (c)/(a) in time.
 """
 
 from __future__ import annotations
@@ -74,18 +75,26 @@ def main() -> None:
         def standardized(ids=ids):
             model.steered_generate(ids, steered, vector, max_new_tokens=n)
 
+        def standard_read(ids=ids):  # the generic path: the fused stream read as a sum, edited, handed on
+            with torch.no_grad(), model.trace(temperature=0.0, max_tokens=n, ignore_eos=True) as tracer:
+                for row in ids:
+                    with tracer.invoke(row):
+                        for _step in tracer.iter[0:n]:
+                            for layer in steered:
+                                model.layers[layer].layer_output[:] += vector
+
         def on_hf(texts=texts):
             nnterp.steered_generate(on_transformers, texts, steered, vector, max_new_tokens=n)
 
         variants = {"(a) engine": engine, "(b) raw nnsight": raw_nnsight, "(c) nnterp on vLLM": standardized,
-                    "(d) nnterp on transformers": on_hf}
+                    "(d) nnterp on transformers": on_hf, "(e) layer_output[:] += v in a trace": standard_read}
         seconds = {label: timed(fn, args.rounds) for label, fn in variants.items()}
         print(f"{count} prompts:")
         for label, time in seconds.items():
             print(f"  {label:<28} {count * n / time:9.1f} tokens/s")
-        a, b, c, d = seconds.values()
+        a, b, c, d, e = seconds.values()
         print(f"  nnterp on vLLM: x {c / b:.2f} raw nnsight's time, x {c / a:.2f} the engine's, x {c / d:.2f} "
-              "transformers'")
+              f"transformers'; the standard read and hand-back (e): x {e / b:.2f} raw nnsight's time")
         sys.stdout.flush()
     os._exit(0)  # the in-process engine's threads would hold the exit
 
