@@ -54,6 +54,7 @@ class StreamAt:
         self.reuse = reuse  # (mediator, occurrence, tensor): the previous block's output read, if any
         self.reused = False
         self.handed = None
+        self.label = ""  # the value's name, for the refusal
 
     def halves(self, raw) -> tuple[torch.Tensor, torch.Tensor | None]:
         items = raw if self.side == "output" else raw[0]
@@ -72,21 +73,69 @@ class StreamAt:
         return tuple(items) if self.side == "output" else (tuple(items), raw[1])
 
 
+# the tensor methods that write into their first argument
+_WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__iand__",
+                     "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__ifloordiv__", "__imod__"})
+
+
+class StreamTensor(torch.Tensor):
+    """A fused stream as the trace reads it: a plain tensor, except that an in-place edit of it (or of a view of it)
+    made after it was handed on to the model is refused on the spot, rather than dropped. Other operations give
+    plain tensors; it travels (``save``) as a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        base = args[0] if args and isinstance(args[0], StreamTensor) else None
+        host = getattr(base, "_nnterp_host", None)
+        name = getattr(func, "__name__", "")
+        if host is not None and host.handed is not None and (
+                name in _WRITES or (name.endswith("_") and not name.startswith("_"))):
+            raise _late_edit(host.label)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if host is not None and isinstance(out, torch.Tensor) and out is not base and \
+                out.untyped_storage().data_ptr() == base.untyped_storage().data_ptr():
+            out = _stream_tensor(out, host)  # a view of the stream: it writes into the stream
+        return out
+
+    def __reduce_ex__(self, protocol):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.as_subclass(self, torch.Tensor).__reduce_ex__(protocol)
+
+
+def _stream_tensor(tensor: torch.Tensor, host) -> StreamTensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        out = torch.Tensor.as_subclass(tensor, StreamTensor)
+    out._nnterp_host = host
+    return out
+
+
+def _late_edit(label: str) -> BadAssignment:
+    return BadAssignment(
+        f"{label} was edited in place after the trace read a later value: vLLM had already taken the stream on (its "
+        f"fused residual is two tensors, added into a new one), so the edit would not reach the model, where on "
+        f"transformers it would. Edit {label} before reading a later value (or read layers[i + 1].layer_input, the "
+        "same tensor, and edit it there).")
+
+
 def _stream_view(host: StreamAt, raw) -> torch.Tensor:
     if host.reuse is not None:
         mediator, occurrence, tensor = host.reuse
         if mediator.occurrence(f"{host.path}.{host.side}") == occurrence:  # the same step: the same tensor
             host.reused = True
+            tensor._nnterp_host = host
             return tensor
     first, second = host.halves(raw)
     # a tensor of its own, made outside vLLM's inference mode so that it counts its in-place edits (``handed``)
     with torch.inference_mode(False):
-        return (first.clone() if second is None else first + second).unsqueeze(0)
+        return _stream_tensor((first.clone() if second is None else first + second).unsqueeze(0), host)
 
 
 def _stream_back(host: StreamAt, view: torch.Tensor, raw):
-    host.handed = view._version  # spliced into the slab now: a later in-place edit would not reach the model
-    return host.with_stream(raw, view.squeeze(0))
+    with torch._C.DisableTorchFunctionSubclass():
+        plain = torch.Tensor.as_subclass(view, torch.Tensor)
+    host.handed = plain._version  # spliced into the slab now: a later in-place edit would not reach the model
+    return host.with_stream(raw, plain.squeeze(0))
 
 
 # per invoke (on its mediator): the streams read in the current step, (step, [(host, tensor, label)]), and the last
@@ -98,11 +147,7 @@ def _check_streams(mediator) -> None:
     """Refuse an in-place edit of a stream made after it was handed on (it would not reach the model)."""
     for host, view, label in getattr(mediator, STREAMS, (0, ()))[1]:
         if host.handed is not None and view._version != host.handed:
-            raise BadAssignment(
-                f"{label} was edited in place after the trace read a later value: vLLM had already taken the stream "
-                f"on (its fused residual is two tensors, added into a new one), so the edit would not reach the "
-                f"model, where on transformers it would. Edit {label} before reading a later value (or read "
-                f"layers[i + 1].layer_input, the same tensor, and edit it there).")
+            raise _late_edit(label)
 
 
 def _read_stream(envoy, place: Place, name: str, location: str, mediator) -> torch.Tensor:
@@ -113,6 +158,7 @@ def _read_stream(envoy, place: Place, name: str, location: str, mediator) -> tor
     last = getattr(mediator, LAST_OUTPUT, None) if between and place.side == "input" else None
     reuse = last[1:] if last is not None and last[0] == layer - 1 else None
     host = StreamAt(path, place.side, place.parts, (mediator, *reuse) if reuse else None)
+    host.label = f"layers[{layer}].{name}"
     view = (STREAM_OUTPUT if place.side == "output" else STREAM_INPUT).__get__(host)
     step = mediator.occurrence(location)
     streams = getattr(mediator, STREAMS, None)
@@ -121,7 +167,7 @@ def _read_stream(envoy, place: Place, name: str, location: str, mediator) -> tor
         setattr(mediator, STREAMS, streams)
     if host.reused:  # handed on by this read now: the output read's own hand-back no longer counts
         streams[1][:] = [entry for entry in streams[1] if entry[1] is not view]
-    streams[1].append((host, view, f"layers[{layer}].{name}"))
+    streams[1].append((host, view, host.label))
     if between and place.side == "output" and not envoy._nnterp_last:
         setattr(mediator, LAST_OUTPUT, (layer, step, view))
     return view

@@ -88,14 +88,22 @@ def main(family: str) -> dict:
 
     # (1b) edits vLLM can no longer take once its fused add has copied the stream: refused, saying why
     late = {}
-    for label, (layer, name, later) in {"output_after_next_norm": (0, "layer_output", "attention_norm_output"),
-                                        "mid_after_mlp_norm": (1, "layer_mid", "mlp_norm_output")}.items():
+    for label, (layer, name, later, then) in {
+            "output_after_next_norm": (0, "layer_output", "attention_norm_output", True),
+            "mid_after_mlp_norm": (1, "layer_mid", "mlp_norm_output", True),
+            "output_edit_ends_the_trace": (0, "layer_output", "attention_norm_output", False),  # nothing read after
+            "view_of_mid_edited_late": (1, "layer_mid", "mlp_input", False)}.items():
         try:
             with torch.no_grad(), model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
                 stream = getattr(model.layers[layer], name)
+                last = stream[:, -1]  # a view: it writes into the stream
                 getattr(model.layers[layer + (name == "layer_output")], later).save()
-                stream[:] += vector
-                model.logits.save()
+                if "view" in label:
+                    last.add_(vector)
+                else:
+                    stream[:] += vector
+                if then:
+                    model.logits.save()
             late[label] = None
         except Exception as error:  # noqa: BLE001 - reported to the test
             late[label] = f"{type(error).__name__}: {error}"
