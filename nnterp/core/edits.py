@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..spec.selection import forward_order, layer_indices, value_name
+from .refusals import refuse_unsupported
 
 Positions = int | slice | Sequence[int] | torch.Tensor | None
 
@@ -44,6 +45,7 @@ def skip_layers(model, start: int, end: int | None = None, stream: torch.Tensor 
     families whose blocks return a tuple (or a list): the skipped block hands on the stream in the
     container the next block expects (``Family.skip_output``).
     """
+    refuse_unsupported(model, "skip_layers")
     end = start if end is None else end
     start, end = (layer_indices(model, [layer])[0] for layer in (start, end))
     if end < start:

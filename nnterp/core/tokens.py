@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..spec.sourced import sourced
+from .refusals import refuse_unsupported
 
 SHOWN = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
@@ -340,6 +341,7 @@ def test_prompt(model, prompt: str, answer, top_k: int = 10, prepend_space: bool
     a trace of the model (``[1, seq, vocab]``). Prints the tokens, the ranks and the ``top_k`` most
     likely tokens (whitespace shown, ``␣`` for a space) unless ``print_results=False``.
     """
+    refuse_unsupported(model, "test_prompt")
     tokenizer = model.tokenizer
     if isinstance(answer, str):
         if prepend_space and answer and not answer[0].isspace():

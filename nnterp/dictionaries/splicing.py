@@ -30,6 +30,7 @@ import nnsight
 import torch
 from nnsight.intervention.interleaver import Mediator
 
+from ..core.refusals import refuse_unsupported
 from ..core.tokens import visible
 from ..spec.catalog import BY_NAME
 from ..spec.errors import ValueUnavailable
@@ -44,6 +45,7 @@ def splice(model, dictionary: Dictionary, *, keep_error: bool = True) -> Splice:
     goes on with the reconstruction alone. After the block, ``.error`` and ``.reconstruction`` are readable. Where
     the dictionary cannot encode the value (``.unencoded``: a zero vector it normalizes, a non-finite result), the
     features are zero and the model goes on with the value as it was."""
+    refuse_unsupported(model, "splice")
     return Splice(model, dictionary, keep_error)
 
 
@@ -269,6 +271,7 @@ def top_activations(model, dictionary: Dictionary, prompts: str | Sequence[str],
                     batch_size: int = 16, remote: bool | str = False) -> list[tuple[float, int, int, str]]:
     """The ``k`` tokens of ``prompts`` where ``feature`` is most active, most active first:
     ``(activation, prompt index, position among the prompt's own tokens, token)`` (the token shown readable)."""
+    refuse_unsupported(model, "top_activations")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     layer, value = place(model, dictionary, "site")
     dictionary._feature(feature)  # a clear IndexError for a feature the dictionary does not have

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.refusals import refuse_unsupported
 from ..spec.sourced import sourced
 from .replacement import GraphUnavailable, replacement_pass
 from .rows import Rows, all_rows, visited_rows
@@ -136,6 +137,7 @@ def attribution_graph(model, prompt, transcoders: Transcoders, max_n_logits: int
     through one backward pass per batch of targets, and walks that graph to prove it linear; a server runs the
     trace a request sends and gives back its saved values, with none of the client's hooks and no autograd graph to
     inspect afterwards. Build the graph where the weights are loaded."""
+    refuse_unsupported(model, "attribution_graph")
     if remote:
         raise GraphUnavailable(
             "attribution_graph(remote=True) is unavailable: the graph's pass freezes the norms and replaces the MLPs "

@@ -11,7 +11,7 @@ import torch
 from ..core.tokens import single_token, visible
 from ..spec.catalog import ADDED, STREAM
 from ..spec.selection import block_calls, calls_in_forward_order, token_index
-from .refusals import refuse_unsupported
+from .refusals import own_tool, refuse_unsupported
 
 STREAM_VALUES = STREAM + ADDED  # [batch, seq, hidden] values the readout reads: the stream, or what is added to it
 
@@ -37,6 +37,9 @@ def logit_lens(model, prompts: str | Sequence[str], layers=None, value: str = "l
     ``value`` is then ``layer_output`` or ``layer_input``, the streams it was trained on.
     """
     refuse_unsupported(model, "logit_lens")
+    own = own_tool(model, "logit_lens")
+    if own is not None:
+        return own(prompts, layers, value, position, remote=remote, return_inv_logits=return_inv_logits, lens=lens)
     name = value.rpartition(".")[2]
     if name not in STREAM_VALUES:
         raise ValueError(f"logit_lens reads one of {', '.join(STREAM_VALUES)}, not {value!r}.")

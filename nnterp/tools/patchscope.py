@@ -7,6 +7,7 @@ import nnsight
 import torch
 
 from ..spec.selection import forward_order, layer_indices, token_index, value_name
+from .refusals import refuse_unsupported
 
 
 def patchscope_lens(model, source_prompts, target_prompt: str, index_to_patch: int = -1, layers=None,
@@ -16,6 +17,7 @@ def patchscope_lens(model, source_prompts, target_prompt: str, index_to_patch: i
 
     ``index_to_patch`` counts the target's own tokens (``-1`` its last).
     """
+    refuse_unsupported(model, "patchscope_lens")
     if not isinstance(target_prompt, str):
         raise TypeError(f"patchscope_lens(model, source_prompts, target_prompt, index_to_patch, layers): the target "
                         f"prompt is a string, not {type(target_prompt).__name__} (1.x's TargetPrompt calls are "

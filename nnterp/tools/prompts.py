@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.tokens import token_ids
+from .refusals import refuse_unsupported
 
 
 def first_tokens(tokenizer, word: str) -> list[int]:
@@ -125,6 +126,7 @@ def run_prompts(model, prompts: Sequence[Prompt], batch_size: int = 32,
     or ``[batch, layers, vocab]`` (e.g. ``nnterp.tools.lens.logit_lens``). Returns, per category, a
     ``[prompts]`` or ``[prompts, layers]`` tensor. ``remote=True`` runs the default on the remote model.
     """
+    refuse_unsupported(model, "run_prompts")
     get_probs = get_probs or (lambda model, texts: next_token_probabilities(model, texts, remote))
     results: dict[str, list[torch.Tensor]] = {}
     batches = range(0, len(prompts), batch_size)

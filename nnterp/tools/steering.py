@@ -19,7 +19,7 @@ from ..core.readout import pass_attention_mask
 from ..spec.catalog import BY_NAME
 from ..spec.fingerprint import tensor_digest
 from ..spec.selection import forward_order, layer_indices, token_index, value_name
-from .refusals import refuse_unsupported
+from .refusals import own_tool, refuse_unsupported
 
 
 def add_to(model, layers, vector: torch.Tensor, value: str = "layer_output", factor: float = 1.0,
@@ -103,6 +103,10 @@ def steered_generate(model, prompts, layers, vector: torch.Tensor, *, value: str
     ``value``, ``factor``, ``positions``, ``batch``. Returns the token ids, prompt included.
     """
     refuse_unsupported(model, "steered_generate")
+    own = own_tool(model, "steered_generate")
+    if own is not None:
+        return own(prompts, layers, vector, value=value, factor=factor, scope=scope, positions=positions,
+                   batch=batch, max_new_tokens=max_new_tokens, remote=remote, **generate_kwargs)
     if isinstance(layers, torch.Tensor) and layers.is_floating_point() and not isinstance(vector, torch.Tensor):
         raise TypeError("steered_generate(model, prompts, layers, vector, ...): the layers come before the vector, "
                         "as in add_to(model, layers, vector); the call passed the vector first.")

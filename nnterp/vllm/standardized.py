@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from typing import Any
 
 import nnsight
@@ -23,9 +24,10 @@ from nnsight.modeling.vllm import VLLM
 
 from ..core.engine import ValueOutsideTrace
 from ..core.order import Availability, AvailabilityTable
-from ..spec.catalog import CATALOG, value_named
+from ..spec.catalog import ADDED, CATALOG, STREAM, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
-from .places import FUSED, Place, VLLMFamily, family_for
+from .places import FUSED, Place, VLLMFamily, served_family
+from .stream import StreamAt, check_streams, read_stream
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
 # imports it in its own processes
@@ -33,41 +35,6 @@ CPU_WORKER = "nnterp.vllm.worker.NNsightCPUWorker"
 
 ONE_PROMPT = ("vLLM runs one request per invoke: give each prompt its own `with tracer.invoke(prompt):` inside "
               "`with model.trace() as tracer:` (values are [1, tokens, width] per invoke)")
-
-
-# -- the fused stream: read as the sum of its parts, handed back as (0, stream) -----------------------------------
-
-class StreamAt:
-    """Host of the stream's eproperty at one boundary (nnsight reads ``"{path}.{key}"``): the block's output, or a
-    fused norm's or the block's inputs, whose elements ``parts`` are the stream's two halves."""
-
-    def __init__(self, path: str, side: str, parts: tuple[int, int]):
-        self.path, self.side, self.parts = path, side, parts
-
-    def halves(self, raw) -> tuple[torch.Tensor, torch.Tensor | None]:
-        items = raw if self.side == "output" else raw[0]
-        first, second = self.parts
-        return items[first], (items[second] if len(items) > second else None)
-
-    def with_stream(self, raw, stream: torch.Tensor):
-        """``raw`` with the stream replaced by ``stream``: ``(0, stream)`` (the next add gives ``stream`` exactly), or
-        the first part alone where the second is None (block 0's inputs: no residual yet)."""
-        first, second = self.parts
-        items = list(raw if self.side == "output" else raw[0])
-        if len(items) > second and items[second] is not None:
-            items[first], items[second] = torch.zeros_like(stream), stream
-        else:
-            items[first] = stream
-        return tuple(items) if self.side == "output" else (tuple(items), raw[1])
-
-
-def _stream_view(host: StreamAt, raw) -> torch.Tensor:
-    first, second = host.halves(raw)
-    return (first if second is None else first + second).unsqueeze(0)
-
-
-def _stream_back(host: StreamAt, view: torch.Tensor, raw):
-    return host.with_stream(raw, view.squeeze(0))
 
 
 class CopyAt:
@@ -87,8 +54,6 @@ def _copy_back(host: CopyAt, view: torch.Tensor, raw):
 
 
 COPY_OUTPUT = eproperty(key="output")(_copy_view).transform(_copy_back)
-STREAM_OUTPUT = eproperty(key="output")(_stream_view).transform(_stream_back)
-STREAM_INPUT = eproperty(key="input")(_stream_view).transform(_stream_back)
 
 
 # -- reading and writing a standard value -------------------------------------------------------------------------
@@ -138,9 +103,10 @@ def read_value(envoy, name: str) -> torch.Tensor:
     if not _inside_a_trace():
         return ValueOutsideTrace(f"layers[{envoy._nnterp_layer}]", value_named(name).key, place.describe())
     location = _location(envoy, place)
+    mediator = Mediator.current(location)
+    check_streams(mediator)
     if place.read == "sum":
-        host = StreamAt(location.rpartition(".")[0], place.side, place.parts)
-        return (STREAM_OUTPUT if place.side == "output" else STREAM_INPUT).__get__(host)
+        return read_stream(envoy, place, name, location, mediator)
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
     return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)))
@@ -150,9 +116,11 @@ def write_value(envoy, name: str, value) -> None:
     """Inside a trace: replace the value ``name`` (``[1, tokens, ...]``, the shape it is read with)."""
     place = _place_of(envoy, name)
     location = _location(envoy, place)
+    check_streams(Mediator.current(location))
     raw = Mediator.value(location)
+    stream = StreamAt("", place.side, place.parts)
     if place.read == "sum":
-        first, second = StreamAt("", place.side, place.parts).halves(raw)
+        first, second = stream.halves(raw)
         current = first
     else:
         current = _tensor_of(place, raw)
@@ -168,7 +136,7 @@ def write_value(envoy, name: str, value) -> None:
                             f"on {value.device}: convert it first (value.to(...)).")
     flat = value.reshape(current.shape)
     if place.read == "sum":
-        Mediator.swap(location, StreamAt("", place.side, place.parts).with_stream(raw, flat))
+        Mediator.swap(location, stream.with_stream(raw, flat))
     elif place.shared:
         current.copy_(flat)
     elif place.side == "input":
@@ -241,6 +209,21 @@ def _cpu_meta_build():
         yield
 
 
+def _is_prompt_list(prompts) -> bool:
+    """A list of prompts (strings, or lists of token ids), not one prompt of token ids."""
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
+
+
+def _salted(prompt):
+    """A traced request with a salt of its own (vLLM's ``cache_salt``): the KV its interventions computed is never
+    served to another request from the prefix cache, and (with nnsight's own ``skip_reading_prefix_cache``) it
+    reads none computed without them. Untraced requests (``model.generate`` outside a ``with``) keep sharing."""
+    salt = uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    return {**prompt, "cache_salt": salt}
+
+
 class StandardizedVLLM(VLLM):
     """A vLLM engine whose blocks expose nnterp's standard values under the standard names.
 
@@ -257,15 +240,18 @@ class StandardizedVLLM(VLLM):
     value in place or assign it: the edit reaches the next module as the same edit does on the transformers model.
     ``model.logits`` is ``[1, 1, vocab]``: vLLM computes the logits at the last position only (the one it samples).
     ``model.project_on_vocab(h)`` reads any stream out at every position (the final norm and the head, as pure
-    tensor steps). ``model.steered_generate(prompt, layers, vector)`` adds a vector at every step of a greedy
-    generation; ``nnterp.add_to`` works inside a trace. The tools that batch prompts in one invoke or read the
-    logits at every position (``logit_lens``, ``run_with_cache``, ``activation_patching``, ``collect``) are refused
-    at their entry, saying what to do instead (``REFUSED_TOOLS``).
+    tensor steps). ``model.steered_generate(prompts, layers, vector)`` adds a vector at every step of a greedy
+    generation of one prompt or a list (each its own request); ``nnterp.steered_generate`` and
+    ``nnterp.logit_lens`` run on the engine the same way, and ``nnterp.add_to`` works inside a trace. The tools that
+    batch prompts in one invoke, read the logits at every position or need gradients are refused at their entry,
+    saying what to do instead (``REFUSED_TOOLS``; ``RUNNING_TOOLS`` are those that run).
 
     What differs from transformers: the stream of a fused family (Llama's shape) is computed by the read (the sum
-    of the block's two parts) and handed on as ``(0, stream)``: exact in float32; in bfloat16 the next norm then
-    sees the rounded stream, as transformers' does, where vLLM's own fused add normalizes the unrounded float32
-    sum. vLLM's CUDA kernels for the fused add-and-norm write in place into the tensors they receive (the sublayers'
+    of the block's two parts) and handed on as ``(0, stream)`` at the trace's next read: exact in float32; in
+    bfloat16 the next norm then sees the rounded stream, as transformers' does, where vLLM's own fused add
+    normalizes the unrounded float32 sum. A stream edited in place after it was handed on is refused (``StreamAt``).
+    Traced requests are salted out of the prefix cache (``cache_salt``); untraced ``model.generate`` shares it.
+    vLLM's CUDA kernels for the fused add-and-norm write in place into the tensors they receive (the sublayers'
     outputs): there, clone a contribution you keep past its block (nnsight's ``NNSIGHT_VLLM_CLONE_READS=1`` does
     it for every read); the CPU build's native kernels do not.
     """
@@ -275,8 +261,10 @@ class StandardizedVLLM(VLLM):
     def __init__(self, model: str | os.PathLike, *args: Any, dtype: str | torch.dtype = "auto", **engine_kwargs: Any):
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model).get_text_config()
-        family = family_for(config.model_type)
+        full_config = AutoConfig.from_pretrained(model)
+        config = full_config.get_text_config()
+        # by the class vLLM's registry will run (its own, or its Transformers backend), before any engine starts
+        family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
         if config.model_type == "falcon" and (config.new_decoder_architecture or not config.parallel_attn or
                                               config.alibi):
             raise NotImplementedError(
@@ -312,6 +300,7 @@ class StandardizedVLLM(VLLM):
                 envoy._nnterp_family = family
                 envoy._nnterp_block_path = block.path
                 envoy._nnterp_heads = config.num_attention_heads
+                envoy._nnterp_last = layer == self.num_layers - 1
 
     def _load_meta(self, *args: Any, **kwargs: Any):
         with _cpu_meta_build():
@@ -327,7 +316,7 @@ class StandardizedVLLM(VLLM):
                 raise ValueError(f"StandardizedVLLM takes one prompt per invoke, got a batch of {ids.shape[0]}: "
                                  f"{ONE_PROMPT}.")
             inputs = (ids.reshape(-1).tolist(),)
-        return VLLM._prompt(self, *inputs)
+        return _salted(VLLM._prompt(self, *inputs))
 
     # -- model-level names ---------------------------------------------------------------------------------------
     @property
@@ -355,6 +344,7 @@ class StandardizedVLLM(VLLM):
     def logits(self) -> torch.Tensor:
         """Inside a trace: the logits vLLM samples this step's token from, ``[1, 1, vocab]`` per invoke (the last
         position only: vLLM computes no others). Assign a ``[1, 1, vocab]`` tensor to replace them."""
+        check_streams(Mediator.current("model.logits"))
         return VLLM.logits.__get__(self).unsqueeze(1)
 
     @logits.setter
@@ -413,10 +403,6 @@ class StandardizedVLLM(VLLM):
 
     # nnterp's tools that StandardizedVLLM cannot run, and why (nnterp.tools.refusals asks at each tool's entry)
     REFUSED_TOOLS = {
-        "logit_lens": "it tokenizes its prompts as one padded batch in one invoke, and vLLM takes one prompt per "
-                      "invoke. Read the stream inside a trace and apply model.project_on_vocab: `with "
-                      "model.trace(prompt, max_tokens=1): probs = [model.project_on_vocab(model.layers[i]."
-                      "layer_output).softmax(-1).save() for i in range(model.num_layers)]`",
         "run_with_cache": "it runs a padded batch in one forward pass and returns the logits at every position; "
                           "vLLM takes one prompt per invoke and computes the logits at the last position only. "
                           "Save the values inside `with model.trace(prompt):` (under tracer.iter for generated "
@@ -430,9 +416,86 @@ class StandardizedVLLM(VLLM):
         "attribution_patching": "it needs gradients, and vLLM runs inference only",
         "collect": "it runs padded batches of prompts per forward pass, and vLLM takes one prompt per invoke; save "
                    "the values of each prompt's own invoke inside one model.trace() instead",
-        "steered_generate": "it drives transformers' generate; use the engine's own model.steered_generate(prompt, "
-                            "layers, vector, ...), which adds the vector at every step of vLLM's generation",
+        "splice": "it follows how far transformers' forward has run through nnsight's module counts and rewrites "
+                  "the site through the core's engine, which vLLM's blocks do not run. Encode and decode by hand "
+                  "inside the trace: `h = model.layers[i].layer_output; h[:] = dictionary.decode("
+                  "dictionary.encode(h))`",
+        "top_activations": "it encodes the prompts as one padded batch in one forward pass (splice's machinery); "
+                           "vLLM takes one prompt per invoke. Encode each prompt's value in its own invoke",
+        "patchscope_lens": "it runs the source prompts and a batch of patched copies of the target prompt as padded "
+                           "batches in one invoke each; vLLM takes one prompt per invoke. Save the source value in "
+                           "one trace and assign it in the target's (as patching by hand)",
+        "run_prompts": "it runs padded batches of prompts and reads the logits at each prompt's last position of "
+                       "the batch; vLLM takes one prompt per invoke. Read model.next_token_probs in one invoke per "
+                       "prompt",
+        "skip_layers": "it replaces the blocks' calls by nnsight's skip with the transformers family's output "
+                       "container (model.family.skip_output); vLLM's fused blocks take and return the stream in two "
+                       "halves. Assign the stream instead: `model.layers[end].layer_output = "
+                       "model.layers[start].layer_input` (the blocks between still run)",
+        "test_prompt": "it reads the logits at every answer position of prompt + answer; vLLM computes the logits at "
+                       "the last position only. Read model.project_on_vocab(model.layers[-1].layer_output) inside "
+                       "a trace for every position",
+        "attribution_graph": "it needs gradients through a frozen replacement pass, and vLLM runs inference only",
     }
+    # nnterp's tools that run on StandardizedVLLM (the tests check this table and REFUSED_TOOLS against nnterp's
+    # tool list): those with a model of their own here (tool_implementation), and those that need only the
+    # tokenizer or a trace of one prompt per invoke
+    RUNNING_TOOLS = ("add_to", "steered_generate", "logit_lens", "to_str_tokens", "top_tokens")
+
+    def tool_implementation(self, tool: str):
+        """The engine's own implementation of nnterp's ``tool`` (``nnterp.tools.refusals.own_tool``), or None."""
+        return {"steered_generate": self._steered_generate_tool, "logit_lens": self._logit_lens_tool}.get(tool)
+
+    def _logit_lens_tool(self, prompts, layers=None, value: str = "layer_output", position: int | None = -1,
+                         remote: bool | str = False, return_inv_logits: bool = False, lens=None):
+        """``nnterp.logit_lens`` on the engine: each prompt its own request (one trace, one invoke each), each
+        layer's ``value`` through ``project_on_vocab`` at ``position`` of the prompt's own tokens. Returns
+        ``[prompts, layers, vocab]`` as on transformers; ``position=None`` (every position) takes prompts of one
+        length, ``[prompts, layers, seq, vocab]`` (transformers' padded batch has no unpadded counterpart)."""
+        if remote or lens is not None:
+            raise NotImplementedError("logit_lens on StandardizedVLLM runs on the local engine with the plain "
+                                      "readout: remote= and lens= (the tuned lens) are transformers' only.")
+        name = value.rpartition(".")[2]
+        if name not in STREAM + ADDED:
+            raise ValueError(f"logit_lens reads one of {', '.join(STREAM + ADDED)}, not {value!r}.")
+        batch = [prompts] if isinstance(prompts, str) or not _is_prompt_list(prompts) else list(prompts)
+        wanted = range(self.num_layers) if layers is None else [layers] if isinstance(layers, int) else layers
+        wanted = [self.block_spec(layer) for layer in wanted]  # in the order asked for, repeats included
+        signs = (1, -1) if return_inv_logits else (1,)
+        with torch.no_grad(), self.trace(temperature=0.0, max_tokens=1) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    per_layer = {}
+                    for layer in sorted(set(wanted)):  # in forward order
+                        hidden = self.read_value(layer, name)
+                        hidden = hidden if position is None else hidden[:, position].unsqueeze(1)
+                        per_layer[layer] = [self.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu()
+                                            for sign in signs]
+                    rows = nnsight.save({"lens": [torch.stack([per_layer[layer][k] for layer in wanted], dim=1)
+                                                  for k in range(len(signs))]})
+        rows = rows if isinstance(rows, list) else [rows]  # one saved value per invoke
+        if position is None and len({row["lens"][0].shape[2] for row in rows}) > 1:
+            raise ValueError("logit_lens(position=None) on StandardizedVLLM takes prompts of one length (each runs "
+                             "unpadded as its own request); give a position, or one prompt per call.")
+        lenses = [torch.cat([row["lens"][k] for row in rows]) for k in range(len(signs))]
+        lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
+        return tuple(lenses) if return_inv_logits else lenses[0]
+
+    def _steered_generate_tool(self, prompts, layers, vector, *, scope="all", positions=None, batch=None,
+                               remote=False, **kwargs):
+        """``nnterp.steered_generate`` on the engine: its arguments that vLLM's generation has no counterpart of
+        are refused; the others go to ``model.steered_generate``."""
+        asked = {"scope": scope != "all", "positions": positions is not None, "batch": batch is not None,
+                 "remote": bool(remote)}
+        if any(asked.values()):
+            raise NotImplementedError(
+                f"steered_generate on StandardizedVLLM adds the vector at every position of every step of each "
+                f"prompt's own request; {', '.join(k for k, v in asked.items() if v)} "
+                "cannot be honoured there. Leave them out, or write the steering in a trace (`with "
+                "model.trace(prompt, max_tokens=n) as tracer: for step in tracer.iter[0:n]: ...`).")
+        if "do_sample" in kwargs:  # transformers' spelling: greedy is vLLM's temperature 0
+            kwargs.setdefault("temperature", 1.0 if kwargs.pop("do_sample") else 0.0)
+        return self.steered_generate(prompts, layers, vector, **kwargs)
 
     def refuse_tool(self, tool: str) -> None:
         """Raise ``NotImplementedError`` naming why ``tool`` cannot run on vLLM and what to do, where it cannot."""
@@ -440,26 +503,51 @@ class StandardizedVLLM(VLLM):
         if reason is not None:
             raise NotImplementedError(f"{tool} does not run on StandardizedVLLM: {reason}.")
 
-    def steered_generate(self, prompt, layers, vector: torch.Tensor, *, value: str = "layer_output",
+    def steered_generate(self, prompts, layers, vector: torch.Tensor, *, value: str = "layer_output",
                          factor: float = 1.0, max_new_tokens: int = 20, **sampling: Any) -> torch.Tensor:
-        """Generate from one ``prompt`` with ``factor * vector`` added in place to ``value`` of ``layers`` at every
-        position of every step (the prompt's pass, then each generated token's), greedily unless ``sampling`` says
-        otherwise (vLLM's ``SamplingParams``: ``temperature``, ``top_p``, ...). Exactly ``max_new_tokens`` tokens
-        are generated (``ignore_eos``). Returns the token ids ``[1, prompt + new]``, as ``nnterp.steered_generate``
-        does on transformers."""
-        layers = [layers] if isinstance(layers, int) else sorted(layers)
+        """Generate from ``prompts`` with ``factor * vector`` added in place to ``value`` of ``layers`` (negatives
+        count from the end) at every position of every step (the prompt's pass, then each generated token's),
+        greedily unless ``sampling`` says otherwise (vLLM's ``SamplingParams``: ``temperature``, ``top_p``, ...).
+        Exactly ``max_new_tokens`` tokens are generated (``ignore_eos``). ``prompts`` is one prompt, or a list of
+        them: each is its own request (its own invoke) in one trace, which vLLM batches. Returns the token ids
+        ``[prompts, longest prompt + new]``, shorter prompts padded on the left with the tokenizer's pad token,
+        as ``nnterp.steered_generate`` returns them from transformers' generate of a left-padded batch."""
+        batch = list(prompts) if _is_prompt_list(prompts) else [prompts]
+        if not batch:
+            raise ValueError("steered_generate takes a prompt or a non-empty list of prompts, got an empty list.")
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        layers = sorted({self.block_spec(layer) for layer in layers})  # wrapped, then in forward order
         owner = value_named(value).owner
         if max_new_tokens < 1:
             raise ValueError(f"steered_generate generates at least one token; max_new_tokens={max_new_tokens}.")
+        if not isinstance(vector, torch.Tensor) or vector.shape[-1] != self.hidden_size:
+            raise ValueError(f"steered_generate adds a vector of the model's width ({self.hidden_size}); got "
+                             f"{list(getattr(vector, 'shape', [type(vector).__name__]))}.")
         sampling.setdefault("temperature", 0.0)
-        with torch.no_grad(), self.trace(prompt, max_tokens=max_new_tokens, ignore_eos=True, **sampling) as tracer:
-            for _step in tracer.iter[0:max_new_tokens]:
-                for layer in layers:  # in forward order
-                    block = self.layers[layer]
-                    steered = getattr(block if owner == "block" else getattr(block, owner), value)
-                    steered[:] += factor * vector
-            output = nnsight.save(tracer.result)
-        return torch.tensor([[*output.prompt_token_ids, *output.outputs[0].token_ids]])
+        place = self.vllm_family.values.get(value_named(value).name)
+        # a fused block's output: the vector added in place to the first of the stream's two parts, which the next
+        # fused add sums (exact up to float32 rounding) with no hand-back of the stream (a copy of the step's slab
+        # per request and block); any other value through its standard read
+        half = place.parts[0] if place is not None and place.read == "sum" and place.path == "" and \
+            place.side == "output" else None
+        with torch.no_grad(), self.trace(max_tokens=max_new_tokens, ignore_eos=True, **sampling) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    for _step in tracer.iter[0:max_new_tokens]:
+                        for layer in layers:  # in forward order
+                            block = self.layers[layer]
+                            if half is not None:
+                                block.output[half][:] += factor * vector
+                            else:
+                                steered = getattr(block if owner == "block" else getattr(block, owner), value)
+                                steered[:] += factor * vector
+                    output = nnsight.save(tracer.result)
+        outputs = output if isinstance(output, list) else [output]
+        rows = [[*out.prompt_token_ids, *out.outputs[0].token_ids] for out in outputs]
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        width = max(len(row) for row in rows)
+        return torch.tensor([[pad] * (width - len(row)) + row for row in rows])
 
     def availability(self, layer: int) -> AvailabilityTable:
         """Every standard value of block ``layer``: where it is read in vLLM's code, or why it has no place."""

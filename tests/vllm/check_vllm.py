@@ -388,16 +388,13 @@ def main(family: str) -> dict:
     # the tools StandardizedVLLM cannot run are refused at their entry, saying why
     from nnterp.collection import collect
     from nnterp.tools.activation_cache import run_with_cache
-    from nnterp.tools.lens import logit_lens
     from nnterp.tools.patching import activation_patching, attribution_patching
-    from nnterp.tools.steering import steered_generate
 
     metric = lambda logits: logits[:, -1, 3].mean()  # noqa: E731
-    calls = {"logit_lens": lambda: logit_lens(model, "w5 w6"), "run_with_cache": lambda: run_with_cache(model, "w5"),
+    calls = {"run_with_cache": lambda: run_with_cache(model, "w5"),
              "activation_patching": lambda: activation_patching(model, "w5 w6", "w7 w6", metric),
              "attribution_patching": lambda: attribution_patching(model, "w5 w6", "w7 w6", metric),
-             "collect": lambda: collect(model, ["w5 w6"], tempfile.mkdtemp()),
-             "steered_generate": lambda: steered_generate(model, "w5 w6", 0, direction)}
+             "collect": lambda: collect(model, ["w5 w6"], tempfile.mkdtemp())}
     refused = {}
     for tool, call in calls.items():
         try:

@@ -35,26 +35,26 @@ UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp
 FLOAT32 = 1e-5  # float32 rounding between two implementations of the same model (relative to the value's size)
 
 
-def run_family(family: str) -> dict:
-    """The measurements of check_vllm.py for ``family``; its engine's processes stopped with it (SIGTERM to the
-    process group, so no shared-memory segment is left behind)."""
+def run_family(family: str, script: Path = SCRIPT) -> dict:
+    """The measurements of ``script`` (check_vllm.py) for ``family``; its engine's processes stopped with it
+    (SIGTERM to the process group, so no shared-memory segment is left behind)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([str(PYTHON), str(SCRIPT), family], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    process = subprocess.Popen([str(PYTHON), str(script), family], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGTERM)
         output, _ = process.communicate(timeout=30)
-        pytest.fail(f"check_vllm.py {family} ran past 240 s:\n{output[-4000:]}")
+        pytest.fail(f"{script.name} {family} ran past 240 s:\n{output[-4000:]}")
     finally:  # whatever the engine left in the script's process group (its core and worker, if it spawned them)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         if process.poll() is None:
             process.wait(timeout=30)
     lines = [line for line in output.splitlines() if line.startswith("NNTERP-RESULT ")]
-    assert process.returncode == 0 and lines, f"check_vllm.py {family} failed (rc {process.returncode}):\n{output[-6000:]}"
+    assert process.returncode == 0 and lines, f"{script.name} {family} failed (rc {process.returncode}):\n{output[-6000:]}"
     return json.loads(lines[-1].removeprefix("NNTERP-RESULT "))
 
 
@@ -130,12 +130,11 @@ def test_patching_by_hand_across_two_traces_is_the_hooked_patch(measured):
 
 def test_tools_that_need_batches_or_every_logit_are_refused_at_their_entry(measured):
     refused = measured["tool_refusals"]
-    assert set(refused) == {"logit_lens", "run_with_cache", "activation_patching", "attribution_patching",
-                            "collect", "steered_generate"}
+    assert set(refused) == {"run_with_cache", "activation_patching", "attribution_patching", "collect"}
     for tool, error in refused.items():
         assert error is not None and error.startswith(f"NotImplementedError: {tool} does not run on StandardizedVLLM"), error
-    assert "project_on_vocab" in refused["logit_lens"] and "last position only" in refused["run_with_cache"]
-    assert "model.steered_generate" in refused["steered_generate"] and "gradients" in refused["attribution_patching"]
+    assert "last position only" in refused["run_with_cache"]
+    assert "gradients" in refused["attribution_patching"]
 
 
 def test_refusals_say_what_to_do(measured):

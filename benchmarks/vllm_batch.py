@@ -1,0 +1,103 @@
+"""Steered generation of many prompts on vLLM, as tokens/s ratios: ``.vllm-venv/bin/python benchmarks/vllm_batch.py
+--prompts 1,8,32`` (the venv tests/vllm/setup.sh makes; vLLM's CPU build here, one in-process engine).
+
+A random-weight Llama shape is saved to a folder and started once. For each number of prompts (32 tokens each, 32
+greedy tokens generated), the medians of a few rounds of: (a) the engine's own ``generate`` (no trace), (b) raw
+nnsight on the same engine, one invoke per prompt, the vector added in place to the native output of two blocks
+every step, (c) ``model.steered_generate(prompts, ...)`` (nnterp: the standard ``layer_output``, the fused stream
+read as a sum and handed on), (d) ``nnterp.steered_generate`` on transformers over the same weights, one
+left-padded batch, (e) the same steering written in a trace on the standard value (``layer_output[:] += v``: the
+fused stream read as a sum and handed on, a copy of the step's slab per request and block). Prints tokens/s and the ratios the issue tracks: (c)/(b) and (c)/(a) in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import nnsight  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_generation import build, timed  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompts", default="1,8,32", help="numbers of prompts, comma-separated")
+    args = parser.parse_args()
+    from vllm import SamplingParams
+
+    import nnterp
+    from nnterp.vllm import StandardizedVLLM
+
+    folder = tempfile.mkdtemp(prefix="nnterp-vllm-batch-")
+    layers, hidden, vocab, n = 6, 256, 128, args.tokens
+    build(folder, layers, hidden, vocab)
+    model = StandardizedVLLM(folder, dtype="float32", distributed_executor_backend="uni", max_model_len=512,
+                             enable_prefix_caching=False)
+    on_transformers = nnterp.StandardizedTransformer(folder)
+    on_transformers.tokenizer.padding_side = "left"
+    vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+    steered = [1, 3]
+    generator = torch.Generator().manual_seed(1)
+    print(f"vLLM batch benchmark, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, nnsight {nnsight.__version__}")
+    print(f"Llama shape {layers} x {hidden} (random weights): prompts of 32 tokens, {n} greedy tokens each, "
+          f"a vector added at {len(steered)} blocks every step, median of {args.rounds}")
+    for count in [int(c) for c in args.prompts.split(",")]:
+        ids = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(count)]
+        texts = [" ".join(f"w{i}" for i in row) for row in ids]
+
+        def engine(ids=ids):
+            model.vllm_entrypoint.generate([{"prompt_token_ids": row} for row in ids],
+                                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                                           use_tqdm=False)
+
+        def raw_nnsight(ids=ids):
+            with torch.no_grad(), model.trace(temperature=0.0, max_tokens=n, ignore_eos=True) as tracer:
+                for row in ids:
+                    with tracer.invoke(row):
+                        for _step in tracer.iter[0:n]:
+                            for layer in steered:  # vLLM's Llama block returns (mlp_out, residual): their sum
+                                model.layers[layer].output[0][:] += vector
+
+        def standardized(ids=ids):
+            model.steered_generate(ids, steered, vector, max_new_tokens=n)
+
+        def standard_read(ids=ids):  # the generic path: the fused stream read as a sum, edited, handed on
+            with torch.no_grad(), model.trace(temperature=0.0, max_tokens=n, ignore_eos=True) as tracer:
+                for row in ids:
+                    with tracer.invoke(row):
+                        for _step in tracer.iter[0:n]:
+                            for layer in steered:
+                                model.layers[layer].layer_output[:] += vector
+
+        def on_hf(texts=texts):
+            nnterp.steered_generate(on_transformers, texts, steered, vector, max_new_tokens=n)
+
+        variants = {"(a) engine": engine, "(b) raw nnsight": raw_nnsight, "(c) nnterp on vLLM": standardized,
+                    "(d) nnterp on transformers": on_hf, "(e) layer_output[:] += v in a trace": standard_read}
+        seconds = {label: timed(fn, args.rounds) for label, fn in variants.items()}
+        print(f"{count} prompts:")
+        for label, time in seconds.items():
+            print(f"  {label:<28} {count * n / time:9.1f} tokens/s")
+        a, b, c, d, e = seconds.values()
+        print(f"  nnterp on vLLM: x {c / b:.2f} raw nnsight's time, x {c / a:.2f} the engine's, x {c / d:.2f} "
+              f"transformers'; the standard read and hand-back (e): x {e / b:.2f} raw nnsight's time")
+        sys.stdout.flush()
+    os._exit(0)  # the in-process engine's threads would hold the exit
+
+
+if __name__ == "__main__":
+    main()

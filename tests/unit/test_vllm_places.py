@@ -1,0 +1,42 @@
+"""The vLLM placements (nnterp/vllm/places.py) against the family specs, without vLLM: each placed family is an
+nnterp family, each value it places is one the family's transformers spec has (the same meaning exists), and each
+value the spec has is placed on vLLM or says why not."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nnterp.families import FAMILIES as SPECS
+from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
+from nnterp.spec.locations import Unavailable
+from nnterp.vllm.places import FAMILIES, FUSED, family_for
+
+BY_NAME = {spec.name: spec for spec in SPECS}
+# the block's values (the attention internals are the attention's own: vLLM's kernel never has them, below)
+NAMES = [value.name for value in CATALOG if value.owner in ("block", "self_attn", "mlp")
+         and value.name not in ("mixer_output", *ATTENTION_INTERNALS)]
+
+
+def test_importing_the_placements_imports_no_vllm():
+    assert "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_placement_agrees_with_its_family_spec(name):
+    placed = FAMILIES[name]
+    spec = BY_NAME.get(name)
+    assert spec is not None, f"{name} is placed on vLLM but is no nnterp family"
+    assert family_for(spec.model_types[0]) is placed  # found from the spec's own model types
+    assert placed.classes, f"{name} names no vLLM model class its places describe"
+    block = spec.block(spec.tiny_config(), 0)
+    for value in NAMES:
+        on_transformers = not isinstance(block.resolve(value), Unavailable)
+        if value in placed.values:
+            assert on_transformers, f"{name}: {value} placed on vLLM, but the family has no such value"
+        elif on_transformers:
+            assert placed.unavailable.get(value), f"{name}: {value} neither placed on vLLM nor said unavailable"
+    assert all(placed.unavailable.get(value) for value in ATTENTION_INTERNALS)
+    if placed.shape == FUSED:  # the stream is two tensors between blocks: read as their sum
+        assert all(placed.values[v].read == "sum" for v in ("layer_input", "layer_mid", "layer_output"))
