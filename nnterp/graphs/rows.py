@@ -53,6 +53,11 @@ class Rows:
         return self._rows([(self.run.readout, readout)], len(ks))
 
     def _rows(self, outputs, count: int) -> torch.Tensor:
+        return self.block(outputs, count).float().cpu()
+
+    def block(self, outputs, count: int) -> torch.Tensor:
+        """``[count, sources]`` in the pass's dtype and device: copy ``b``'s gradient of ``outputs`` (``(tensor,
+        grad_output)`` pairs) dotted with every source's vector."""
         run = self.run
         grads = torch.autograd.grad([o for o, _ in outputs], [*run.sites, run.embeddings],
                                     grad_outputs=[g for _, g in outputs], retain_graph=True, allow_unused=True)
@@ -74,7 +79,7 @@ class Rows:
         for layer, (g, e) in enumerate(zip(site_grads, run.errors)):
             errors[:, layer] = (g * e).sum(-1)
         block[:, self.sources - self.n_pos:] = (embed_grad * self.embeddings).sum(-1)
-        return block.float().cpu()
+        return block
 
 
 def all_rows(rows: Rows, batch_size: int) -> torch.Tensor:
