@@ -160,7 +160,7 @@ def test_scores_with_a_bias_by_distance_are_refused(case, tmp_path):
         qk_attribution(model, PROMPT, load_transcoders(folder), model.num_layers - 1, 0, 5, 2)
 
 
-def test_positions_and_heads_out_of_range_say_why(tmp_path):
+def test_positions_heads_and_masked_keys_say_why(tmp_path):
     model, _, _, folder = _build("llama", tmp_path, FAMILY_CASES["llama"])
     transcoders = load_transcoders(folder)
     with pytest.raises(ValueError, match=r"key position \(5\) is at most the query position \(3\)"):
@@ -169,6 +169,10 @@ def test_positions_and_heads_out_of_range_say_why(tmp_path):
         qk_attribution(model, PROMPT, transcoders, 0, 9, 3, 1)
     with pytest.raises(ValueError, match="layer 7 is not a block"):
         qk_attribution(model, PROMPT, transcoders, 7, 0, 3, 1)
+    model, _, _, folder = _build("gemma2", tmp_path / "gemma2", FAMILY_CASES["gemma2"])
+    assert model._module.config.layer_types[2] == "sliding_attention" and model._module.config.sliding_window < 6
+    with pytest.raises(ValueError, match="block 2 masks key 2 at query 8"):  # outside its sliding window
+        qk_attribution(model, PROMPT, load_transcoders(folder), 2, 0, 8, 2)
 
 
 def test_the_summary_is_the_terms_top_and_round_trips_through_the_graph_file(tmp_path):
