@@ -171,9 +171,8 @@ def qk_attribution(model, graph_or_prompt, transcoders: Transcoders, layer: int,
                    key: int) -> QKAttribution:
     """Head ``head`` of block ``layer``'s pre-softmax score at position ``query`` attending to ``key`` as terms
     over the sources of the graph of ``graph_or_prompt`` (an ``attribution_graph``'s ``Graph``, or the prompt it
-    would be built from) through ``transcoders`` (the graph's). One pass of the replacement model on ``2 *
-    head_dim`` copies of the prompt and one backward pass (the gradient of each coordinate of the query and of the
-    key). Refused (``GraphUnavailable``) where the graph is, and where the score is not bilinear in the stream once
+    would be built from) through ``transcoders`` (the graph's). One pass of the replacement model on the prompt
+    and one backward pass of ``2 * head_dim`` batched gradients (each coordinate of the query and of the key). Refused (``GraphUnavailable``) where the graph is, and where the score is not bilinear in the stream once
     the norms and the soft-cap are frozen."""
     from .graph import Graph, _active_features, _input_ids
 
@@ -196,15 +195,12 @@ def qk_attribution(model, graph_or_prompt, transcoders: Transcoders, layer: int,
             _refuse(model, f"block {layer}'s {error.key} cannot be read ({error.reason})")
         attention = model._module.get_submodule(
             model.block_path(layer, model.location(layer, "self_attn.queries").path))
-        probe = replacement_pass(model, ids.to(parameter.device), transcoders, 1, reads=reads[:2])
-        heads, kv_heads, d = probe.values[reads[0]].shape[2], probe.values[reads[1]].shape[2], \
-            probe.values[reads[0]].shape[3]
-        del probe
+        run = replacement_pass(model, ids.to(parameter.device), transcoders, 1, reads=reads, linear=reads[:2])
+        queries, keys, scores = (run.values[r] for r in reads)  # [1, seq, heads, head_dim], [1, heads, seq, seq]
+        heads, kv_heads, d = queries.shape[2], keys.shape[2], queries.shape[3]
         if not 0 <= head < heads:
             raise ValueError(f"qk_attribution: head {head} is not a head of block {layer} (0 to {heads - 1}).")
         kv_head = head // (heads // kv_heads)  # grouped queries: each key head serves heads // kv_heads heads
-        run = replacement_pass(model, ids.to(parameter.device), transcoders, 2 * d, reads=reads, linear=reads[:2])
-        queries, keys, scores = (run.values[r] for r in reads)
         active, values = _active_features(run.features)
         if graph is not None and not torch.equal(active.cpu(), graph.active_features):
             raise ValueError("qk_attribution: the graph's active features are not those of this model, prompt and "
@@ -215,12 +211,15 @@ def qk_attribution(model, graph_or_prompt, transcoders: Transcoders, layer: int,
         if not kept[query, key]:
             raise ValueError(f"qk_attribution: block {layer} masks key {key} at query {query} (its score is the "
                              "mask's, not a product of query and key).")
-        q_grad, k_grad = torch.zeros_like(queries), torch.zeros_like(keys)
+        # one backward pass of 2 * head_dim gradients batched over one copy of the pass: each coordinate of the
+        # query, then of the key
+        q_grad = queries.new_zeros(2 * d, *queries.shape)
+        k_grad = keys.new_zeros(2 * d, *keys.shape)
         for b in range(d):
-            q_grad[b, query, head, b] = 1
-            k_grad[d + b, key, kv_head, b] = 1
+            q_grad[b, 0, query, head, b] = 1
+            k_grad[d + b, 0, key, kv_head, b] = 1
         rows = Rows(run, transcoders, active, values, torch.zeros(0, dtype=torch.long), 1)
-        block = rows.block([(queries, q_grad), (keys, k_grad)], 2 * d).detach()
+        block = rows.block([(queries, q_grad), (keys, k_grad)], 2 * d, batched=True).detach()
     q_total, k_total = queries[0, query, head].detach(), keys[0, key, kv_head].detach()
     query_vectors, key_vectors = block[:d].T, block[d:].T  # [sources, head_dim]
     query_vectors = torch.cat([query_vectors, (q_total - query_vectors.sum(0))[None].to(block.dtype)])
