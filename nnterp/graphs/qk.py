@@ -172,8 +172,10 @@ def qk_attribution(model, graph_or_prompt, transcoders: Transcoders, layer: int,
     """Head ``head`` of block ``layer``'s pre-softmax score at position ``query`` attending to ``key`` as terms
     over the sources of the graph of ``graph_or_prompt`` (an ``attribution_graph``'s ``Graph``, or the prompt it
     would be built from) through ``transcoders`` (the graph's). One pass of the replacement model on the prompt
-    and one backward pass of ``2 * head_dim`` batched gradients (each coordinate of the query and of the key). Refused (``GraphUnavailable``) where the graph is, and where the score is not bilinear in the stream once
-    the norms and the soft-cap are frozen."""
+    and one backward pass of ``2 * head_dim`` batched gradients (each coordinate of the query and of the key).
+    Refused (``GraphUnavailable``) where the graph is, and where the score is not bilinear in the stream once the
+    norms and the soft-cap are frozen (ALiBi's bias by distance); ``ValueError`` for a key the block masks at the
+    query, a head or a position out of range."""
     from .graph import Graph, _active_features, _input_ids
 
     graph = graph_or_prompt if isinstance(graph_or_prompt, Graph) else None
@@ -228,12 +230,10 @@ def qk_attribution(model, graph_or_prompt, transcoders: Transcoders, layer: int,
     frozen = ["the attention patterns of every block", "every norm's scale (the q/k norms' too)",
               "the MLPs: their transcoders' features and error nodes"]
     if cap:  # the cap's ratio at this pair, frozen: factor * query . key is the model's capped score
-        raw = float(q_total.double() @ k_total.double())
         uncapped = cap * float(torch.atanh((score.double() / cap).clamp(-1, 1)))
-        if raw != 0 and uncapped != 0:
+        if uncapped != 0:  # (at 0 the ratio's limit is 1)
             factor *= float(score) / uncapped
         frozen.append(f"the soft-cap's ratio at this pair (tanh(s / {cap:g}) * {cap:g} / s)")
-        del raw
     return QKAttribution(layer, head, query, key, _source_ids(active.cpu(), ids.cpu(), model.num_layers),
                          query_vectors.cpu(), key_vectors.cpu(), factor, float(score), frozen)
 
