@@ -57,11 +57,20 @@ def _empty(replacement, n_pos):
                              zero_tokens=range(n_pos))["scores"]
 
 
+def _scores(case, model, layer, recorded):
+    """Block ``layer``'s scores ``[heads, query, key]`` from the softmaxes' inputs of a pass."""
+    scores = recorded[layer][0]
+    if case == "gpt_oss":  # its softmax reads [scores, sink] less the row's max: the scores are those plus the shift
+        sinks = model.layers._module[layer].self_attn.sinks.detach().to(scores.dtype)
+        scores = scores[..., :-1] + (sinks[:, None, None] - scores[..., -1:])
+    return scores
+
+
 @pytest.mark.parametrize("case", SERVED)
 def test_the_terms_sum_to_the_models_score(case, tmp_path):
     model, hf, transcoders, ids, replacement, dtype = _setup(case, tmp_path)
     n_pos, layer = len(ids), model.num_layers - 1
-    truth = replacement.scores[layer][0]  # [heads, query, key]: the model's own scores
+    truth = _scores(case, model, layer, replacement.scores)  # [heads, query, key]: the model's own scores
     head, query = truth.shape[0] - 1, n_pos - 1
     unmasked = [k for k in range(query - 1, -1, -1) if truth[head, query, k] > torch.finfo(dtype).min / 2]
     key = unmasked[min(1, len(unmasked) - 1)] if unmasked else query  # inside a sliding window or chunk
@@ -69,11 +78,11 @@ def test_the_terms_sum_to_the_models_score(case, tmp_path):
     terms = result.terms()
     assert result.sources[-1] == BIAS and terms.shape == (len(result.sources),) * 2
     tolerance = 2e-5 if dtype == torch.float32 else 2e-7 if case in FLOAT32_SCORES else 1e-9
-    scale = float(truth[head, query, :query + 1].abs().max())
+    scale = float(truth[head, query, [key, *unmasked]].abs().max())  # the row's scores, not its mask's
     assert abs(float(terms.sum()) - float(truth[head, query, key])) <= tolerance * scale, case
     assert result.score == pytest.approx(float(truth[head, query, key]), rel=tolerance, abs=tolerance * scale)
     # the bias x bias term is the score with every source removed (Gemma-2's is the soft-cap's: compared uncapped)
-    empty = _empty(replacement, n_pos)[layer][0, head, query, key]
+    empty = _scores(case, model, layer, _empty(replacement, n_pos))[head, query, key]
     cap = getattr(hf.config.get_text_config(), "attn_logit_softcapping", None)
     if cap:
         uncapped = cap * torch.atanh(truth[head, query, key] / cap)
