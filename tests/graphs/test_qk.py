@@ -217,3 +217,28 @@ def test_the_summary_is_the_terms_top_and_round_trips_through_the_graph_file(tmp
     assert read_qk(plain) == [] and "qk" not in json.loads(plain.read_text())
     with pytest.raises(ValueError, match="lacks"):
         QKSummary.from_dict({"layer": 1})
+
+
+def test_the_model_is_left_as_it_was(tmp_path):
+    from nnterp import StandardizedTransformer
+    from nnterp.graphs import write_random_transcoders
+
+    from ..conftest import build_tiny, tiny_tokenizer
+    from ..families.test_families import CASES
+
+    hf = build_tiny(CASES["llama"][0]())  # its own attention implementation (sdpa), not eager
+    model = StandardizedTransformer(hf, tokenizer=tiny_tokenizer())
+    folder = write_random_transcoders(tmp_path / "tc", model.num_layers, model.hidden_size, 16,
+                                      feature_input_hook="mlp.hook_in", feature_output_hook="hook_mlp_out")
+    flags, implementation = [p.requires_grad for p in hf.parameters()], hf.config._attn_implementation
+    assert implementation != "eager"
+    with torch.no_grad():
+        before = hf(input_ids=torch.tensor([[2, 3, 4, 5]])).logits
+        result = qk_attribution(model, PROMPT, load_transcoders(folder), 1, 0, 5, 2)
+        assert not torch.is_grad_enabled()
+    assert result.query_vectors.abs().sum() > 0 and result.terms().sum() == pytest.approx(result.score, rel=1e-5)
+    assert [p.requires_grad for p in hf.parameters()] == flags
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in hf.modules())
+    assert hf.config._attn_implementation == implementation
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=torch.tensor([[2, 3, 4, 5]])).logits, before)
