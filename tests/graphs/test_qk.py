@@ -33,10 +33,10 @@ FLOAT32_SCORES = {"gptj", "gpt_neo", "codegen"}
 ATTENTION = {"llama": "self_attn", "qwen3": "self_attn", "gemma2": "self_attn", "gpt2": "attn"}
 
 
-def _setup(case, tmp_path, softcap=True):
+def _setup(case, tmp_path, softcap=True, **transcoder_options):
     input_hook = FAMILY_CASES[case]
     dtype = torch.float32 if case in FLOAT32 else torch.float64
-    model, hf, truth, folder = _build(case, tmp_path, input_hook, dtype)
+    model, hf, truth, folder = _build(case, tmp_path, input_hook, dtype, **transcoder_options)
     if not softcap:  # Gemma-2's scores without their soft-cap: the score is bilinear with nothing frozen in it
         hf.config.attn_logit_softcapping = None
         for module in hf.modules():
@@ -68,7 +68,17 @@ def _scores(case, model, layer, recorded):
 
 @pytest.mark.parametrize("case", SERVED)
 def test_the_terms_sum_to_the_models_score(case, tmp_path):
-    model, hf, transcoders, ids, replacement, dtype = _setup(case, tmp_path)
+    _check_sum(case, tmp_path)
+
+
+@pytest.mark.parametrize("options", [dict(cross_layer=True, jumprelu=True), dict(skip=True)], ids=["clt", "skip"])
+def test_cross_layer_and_skip_transcoders(options, tmp_path):
+    _check_sum("llama", tmp_path, **options)
+
+
+def _check_sum(case, tmp_path, **options):
+    """The terms sum to the model's score, and the bias x bias term is the score with every source removed."""
+    model, hf, transcoders, ids, replacement, dtype = _setup(case, tmp_path, **options)
     n_pos, layer = len(ids), model.num_layers - 1
     truth = _scores(case, model, layer, replacement.scores)  # [heads, query, key]: the model's own scores
     head, query = truth.shape[0] - 1, n_pos - 1
