@@ -62,7 +62,8 @@ def nodes_of(graph, node_mask, cumulative, tokenizer) -> dict[int, dict]:
     return {index: {**defaults, **node} for index, node in nodes.items()}
 
 
-def write_json(graph, folder: Path, slug: str, tokenizer, node_threshold: float, edge_threshold: float) -> Path:
+def write_json(graph, folder: Path, slug: str, tokenizer, node_threshold: float, edge_threshold: float,
+               qk: list | None = None) -> Path:
     node_mask, edge_mask, cumulative = prune_graph(graph, node_threshold, edge_threshold)
     nodes = nodes_of(graph, node_mask, cumulative, tokenizer)
     targets, sources = edge_mask.nonzero(as_tuple=True)
@@ -76,6 +77,8 @@ def write_json(graph, folder: Path, slug: str, tokenizer, node_threshold: float,
     document = {"metadata": metadata,
                 "qParams": {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""},
                 "nodes": used, "links": links}
+    if qk:  # an optional section: the frontend reads the keys above alone
+        document["qk"] = [summary.to_dict() for summary in qk]
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"{slug}.json"
     file.write_text(json.dumps(document, indent=2))

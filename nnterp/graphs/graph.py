@@ -66,13 +66,14 @@ class Graph:
         return ids
 
     def to_json(self, path, slug: str = "graph", tokenizer=None, node_threshold: float = 0.8,
-                edge_threshold: float = 0.98) -> Path:
+                edge_threshold: float = 0.98, qk=()) -> Path:
         """circuit-tracer's graph files (``create_graph_files``): ``{slug}.json`` (metadata, qParams, the nodes and
         links left after ``prune_graph``) in folder ``path``, and ``graph-metadata.json`` beside it. Returns the
-        graph's file."""
+        graph's file. ``qk``: QK attributions' summaries (``QKSummary``), written as the file's ``qk`` section
+        (``read_qk`` reads it back)."""
         from .export import write_json
 
-        return write_json(self, Path(path), slug, tokenizer, node_threshold, edge_threshold)
+        return write_json(self, Path(path), slug, tokenizer, node_threshold, edge_threshold, list(qk))
 
 
 def _input_ids(model, prompt) -> torch.Tensor:

@@ -61,11 +61,56 @@ def layout(graph, kept: list[int]) -> dict[int, tuple[float, float]]:
     return places
 
 
+def _source_place(graph, source: str, places: dict, index_of: dict):
+    """Where a QK source is drawn: its node's place where the pruned graph kept it, else its (position, layer) cell;
+    None for the bias (no place in the stream)."""
+    if source in index_of and index_of[source] in places:
+        return places[index_of[source]]
+    parts = source.split("_")
+    if parts[0] == "E":
+        return float(parts[2]), 0.0
+    if parts[0] == "err":
+        return float(parts[2]), float(parts[1]) + 1
+    if len(parts) == 3:
+        return float(parts[2]), float(parts[0]) + 1
+    return None
+
+
+def _draw_head(ax, graph, qk, places: dict, ids: list[str]) -> None:
+    """A selected head's QK attribution over the graph: stars at its block's row at the query and key positions,
+    a dashed line from each top query-side source to the query and from each top key-side source to the key (blue
+    where it raises the score, red where it lowers it); urls ``qk:{source}->query`` / ``->key``."""
+    from matplotlib.collections import LineCollection
+
+    ends = {"query": (float(qk.query), qk.layer + 1.0), "key": (float(qk.key), qk.layer + 1.0)}
+    stars = ax.scatter([e[0] for e in ends.values()], [e[1] for e in ends.values()], marker="*", s=160,
+                       c="#17becf", edgecolors="black", linewidths=0.5, zorder=3,
+                       label=f"block {qk.layer} head {qk.head}: query, key")
+    stars.set_urls([f"qk:{name}" for name in ends])
+    index_of = {node: i for i, node in enumerate(ids)}
+    segments, colours, widths, urls = [], [], [], []
+    for side, tops in (("query", qk.top_query), ("key", qk.top_key)):
+        largest = max((abs(t["effect"]) for t in tops), default=0.0) or 1.0
+        for top in tops:
+            place = _source_place(graph, top["source"], places, index_of)
+            if place is None:
+                continue
+            segments.append([place, ends[side]])
+            colours.append(POSITIVE if top["effect"] > 0 else NEGATIVE)
+            widths.append(0.5 + 2.5 * abs(top["effect"]) / largest)
+            urls.append(f"qk:{top['source']}->{side}")
+    if segments:
+        lines = LineCollection(segments, colors=colours, linewidths=widths, linestyles="dashed", alpha=0.8, zorder=2)
+        lines.set_urls(urls)
+        ax.add_collection(lines)
+
+
 def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.8, edge_threshold: float = 0.98,
-               tokenizer=None, title: str | None = None):
+               tokenizer=None, title: str | None = None, qk=None):
     """The graph pruned by ``prune_graph(graph, node_threshold, edge_threshold)``, drawn (see the module): a PNG at
     ``path`` (its path returned), or the matplotlib figure where ``path`` is None. ``tokenizer`` labels the tokens
-    and logits with their text (their ids otherwise)."""
+    and logits with their text (their ids otherwise). ``qk``: a selected head's ``QKSummary`` (or
+    ``QKAttribution``), drawn over the graph: its query and key, and the top sources of each."""
     plt = _pyplot()
     from matplotlib.collections import LineCollection
 
@@ -91,6 +136,9 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
             points = ax.scatter([places[i][0] for i in members], [places[i][1] for i in members], marker=marker,
                                 c=colour, s=36, edgecolors="black", linewidths=0.4, zorder=2, label=kind)
             points.set_urls([ids[i] for i in members])
+
+    if qk is not None:
+        _draw_head(ax, graph, qk.summary() if hasattr(qk, "summary") else qk, places, ids)
 
     def text(token: int) -> str:
         return repr(tokenizer.decode([token])) if tokenizer is not None else str(token)

@@ -36,7 +36,7 @@ hook is removed and the attention implementation restored: the model is left as 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -78,6 +78,7 @@ class ReplacementPass:
     embeddings: torch.Tensor
     readout: torch.Tensor
     logits: torch.Tensor
+    values: dict = field(default_factory=dict)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -348,8 +349,11 @@ def _element(out, index: int):
     return out[index] if isinstance(out, (tuple, list)) else out
 
 
-def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, batch: int = 1) -> ReplacementPass:
-    """The replacement model on ``batch`` copies of ``input_ids`` (``[seq]``), with its autograd graph kept."""
+def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, batch: int = 1,
+                     reads: tuple[tuple[int, str], ...] = (), linear: tuple[tuple[int, str], ...] = ()) -> ReplacementPass:
+    """The replacement model on ``batch`` copies of ``input_ids`` (``[seq]``), with its autograd graph kept.
+    ``reads``: ``(layer, value name)`` pairs of values before the block's pattern, in forward order, read in the pass
+    (``values``); those also in ``linear`` are proven linear in the stream with the targets."""
     import warnings
 
     check_family(model, transcoders)
@@ -361,6 +365,7 @@ def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, b
     mlp_paths = tuple(model.block_path(layer, model.location(layer, transcoders.output_value).path)
                       for layer in range(n))
     captured: dict[str, torch.Tensor] = {}
+    values: dict[tuple[int, str], torch.Tensor] = {}
 
     def embeddings_leaf(module, args, out):
         captured["embeddings"] = out.detach().requires_grad_(True)
@@ -392,19 +397,22 @@ def replacement_pass(model, input_ids: torch.Tensor, transcoders: Transcoders, b
         warnings.filterwarnings("ignore", message=".*carries a forward (pre-)?hook.*")
         with model.trace(ids):
             for layer, key in enumerate(patterns):  # circuit-tracer: attention patterns are constants of the pass
+                for read in [read for read in reads if read[0] == layer]:  # before the pattern, in forward order
+                    values[read] = _value(model, layer, _key(model, layer, read[1])).save()
                 _set_value(model, layer, key, _value(model, layer, key).detach())
             logits = model.logits[:1, -1].detach().clone().save()  # a copy: no view of the batch's logits
     missing = [layer for layer in range(n) if layer not in sites.sites]
     if missing:
         _refuse(model, f"the MLP output of block {missing[0]} was not computed in the pass")
     inputs = [sites.inputs[i] for i in range(n)]
-    found = _not_linear([*inputs, captured["readout"]])
+    found = _not_linear([*inputs, captured["readout"], *(values[read] for read in linear)])
     if found:
         _refuse(model, f"with its attention patterns and norm scales frozen and its MLPs replaced, the model still "
                        f"computes a function that is not linear in the stream ({found} in autograd's graph: a gate, "
                        "an activation or a norm nnterp does not freeze), so the direct effects would not add up")
     return ReplacementPass(inputs, [sites.sites[i] for i in range(n)],
                            [sites.features[i] for i in range(n)], [sites.pres[i] for i in range(n)],
-                           [sites.errors[i] for i in range(n)], captured["embeddings"], captured["readout"], logits)
+                           [sites.errors[i] for i in range(n)], captured["embeddings"], captured["readout"], logits,
+                           dict(values))
 
 

@@ -53,11 +53,23 @@ class Rows:
         return self._rows([(self.run.readout, readout)], len(ks))
 
     def _rows(self, outputs, count: int) -> torch.Tensor:
+        return self.block(outputs, count).float().cpu()
+
+    def block(self, outputs, count: int, batched: bool = False) -> torch.Tensor:
+        """``[count, sources]`` in the pass's dtype and device: copy ``b``'s gradient of ``outputs`` (``(tensor,
+        grad_output)`` pairs) dotted with every source's vector. ``batched``: the pass is one copy of the prompt and
+        each ``grad_output`` has ``count`` of its outputs' gradients stacked first (autograd's batched gradients)."""
         run = self.run
         grads = torch.autograd.grad([o for o, _ in outputs], [*run.sites, run.embeddings],
-                                    grad_outputs=[g for _, g in outputs], retain_graph=True, allow_unused=True)
-        site_grads = [torch.zeros_like(s[:count]) if g is None else g[:count] for s, g in zip(run.sites, grads[:-1])]
-        embed_grad = torch.zeros_like(run.embeddings[:count]) if grads[-1] is None else grads[-1][:count]
+                                    grad_outputs=[g for _, g in outputs], retain_graph=True, allow_unused=True,
+                                    is_grads_batched=batched)
+
+        def rows_of(leaf, grad):
+            if grad is None:
+                return leaf.new_zeros(count, *leaf.shape[1:])
+            return grad.reshape(count, *leaf.shape[1:]) if batched else grad[:count]
+        site_grads = [rows_of(s, g) for s, g in zip(run.sites, grads[:-1])]
+        embed_grad = rows_of(run.embeddings, grads[-1])
         # a feature's edge: the gradient at each output it writes to, dotted with activation * its decoder row
         # (per source layer and position, a product with the decoder rows of its active features alone)
         block = torch.zeros(count, self.sources, dtype=self.activation_values.dtype,
@@ -74,7 +86,7 @@ class Rows:
         for layer, (g, e) in enumerate(zip(site_grads, run.errors)):
             errors[:, layer] = (g * e).sum(-1)
         block[:, self.sources - self.n_pos:] = (embed_grad * self.embeddings).sum(-1)
-        return block.float().cpu()
+        return block
 
 
 def all_rows(rows: Rows, batch_size: int) -> torch.Tensor:

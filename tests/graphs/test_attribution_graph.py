@@ -102,6 +102,7 @@ class Replacement:
         self.norms = [(name, m) for name, m in hf.named_modules() if _is_norm(m)]
         clean = self._pass(record=True)
         self.softmaxes, self.scales = clean["softmaxes"], clean["scales"]
+        self.scores = clean["scores"]  # each attention's scores (its softmax's input), in the model's own pass
         assert len(self.softmaxes) >= self.n, "the attention does not run a softmax the replacement can freeze"
         self.acts = []
         for i in range(self.n):
@@ -126,12 +127,14 @@ class Replacement:
         return (self.blocks[i].get_submodule(path) if path else self.blocks[i]), side, factor
 
     def _pass(self, record=False, acts=None, errors=None, zero_tokens=()):
-        got = {"softmaxes": [], "scales": {}, "inputs": {}, "outputs": {}}
+        got = {"softmaxes": [], "scales": {}, "inputs": {}, "outputs": {}, "scores": []}
         handles, count = [], [0]
         plain = torch.nn.functional.softmax
 
         def softmax(*args, **kwargs):
             out = plain(*args, **kwargs)
+            if args[0].dim() == 4:  # an attention's scores (a router's softmax reads [tokens, experts])
+                got["scores"].append(args[0].detach().clone())
             if record:
                 got["softmaxes"].append(out)
                 return out

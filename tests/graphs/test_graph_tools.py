@@ -71,6 +71,36 @@ def test_the_plot_draws_the_pruned_graphs_nodes_and_edges(built, tmp_path):
     plt.close(figure)
 
 
+def test_the_plot_draws_a_selected_heads_query_key_and_top_sources(built):
+    import matplotlib.pyplot as plt
+
+    from nnterp.graphs import qk_attribution
+
+    model, _, folder, graph = built
+    summary = qk_attribution(model, graph, load_transcoders(folder), 2, 1, graph.n_pos - 1, 3).summary(top=4)
+    figure = plot_graph(graph, None, qk=summary)
+    axes = figure.axes[0]
+    stars = [c for c in axes.collections if list(c.get_urls()) == ["qk:query", "qk:key"]]
+    assert len(stars) == 1
+    assert stars[0].get_offsets().tolist() == [[graph.n_pos - 1, 3], [3, 3]]  # block 2's row, at the positions
+    lines = [c for c in axes.collections if type(c).__name__ == "LineCollection" and
+             any(url.startswith("qk:") for url in c.get_urls())]
+    expected = [f"qk:{t['source']}->{side}" for side, tops in (("query", summary.top_query), ("key", summary.top_key))
+                for t in tops if t["source"] != "bias"]
+    assert len(lines) == 1 and list(lines[0].get_urls()) == expected and expected
+    # each line ends at its side's star, and starts at its source's (position, layer) cell
+    for url, segment in zip(expected, lines[0].get_segments()):
+        source, side = url[3:].rsplit("->", 1)
+        assert segment[1].tolist() == ([graph.n_pos - 1, 3] if side == "query" else [3, 3])
+        pos = int(source.split("_")[2])  # {layer}_{feature}_{pos}, err_{layer}_{pos}, E_{token}_{pos}
+        assert abs(segment[0][0] - pos) <= 0.4 + 1e-9  # a kept node is spread across its cell
+    plt.close(figure)
+    # the graph drawn without a head has none of it
+    figure = plot_graph(graph, None)
+    assert not [url for c in figure.axes[0].collections for url in (c.get_urls() or []) if url and url.startswith("qk:")]
+    plt.close(figure)
+
+
 def _hooked(hf, folder, edits, n_pos):
     """Forward hooks on each edited layer's MLP: the transcoder's features of its input, the edit's change of the
     decoded output added at the edited position (on the prompt's pass alone: ``n_pos`` positions)."""
