@@ -69,7 +69,8 @@ def _as_grad(result):
     return None if result is None else (result,)
 
 
-def _chosen(names) -> Callable[[str], bool]:
+def names_predicate(names) -> Callable[[str], bool]:
+    """TransformerLens's names_filter (None, a name, names or a predicate) as a predicate on hook names."""
     if names is None:
         return lambda name: True
     if callable(names):
@@ -150,7 +151,7 @@ class HookedRootModule(nn.Module):
         """``(output, cache)``: the output, and what passed through each hook point ``names_filter`` chooses (all by
         default), by name, detached (without the batch dimension with ``remove_batch_dim``)."""
         cache: dict[str, torch.Tensor] = {}
-        keep = _chosen(names_filter)
+        keep = names_predicate(names_filter)
 
         def save(tensor, hook):
             cache[hook.name] = (tensor[0] if remove_batch_dim else tensor).detach()

@@ -28,6 +28,7 @@ from ...dictionaries import Dictionary, from_saelens, transformerlens_site
 from ...dictionaries.splicing import place, splice
 from ...tools.activation_cache import ActivationCache, run_with_cache
 from ...tools.hook_points import HookContext
+from .hooked_module import names_predicate
 
 # what SAELens's HookedSAETransformer caches of each SAE, under f"{hook name}.{entry}"
 SAE_ENTRIES = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
@@ -247,7 +248,7 @@ def run_with_cache_with_saes(model, input, *, saes: Dictionary | Iterable[Dictio
     ``names_filter`` (a name, a list of names, or a function of a name) keeps the SAE entries it names; the names
     among them that are the model's own hooks go to ``run_with_cache`` where it takes ``names_filter``.
     """
-    keep = _predicate(names_filter)
+    keep = names_predicate(names_filter)
     with model.saes(saes=saes, reset_saes_end=reset_saes_end, use_error_term=use_error_term):
         attached = list(attached_saes(model).values())
         for one in attached:
@@ -333,15 +334,6 @@ def _cache_options(attached: list[AttachedSAE], names_filter, options: dict) -> 
         return options
     raise TypeError(f"names_filter names {', '.join(map(repr, model_filter))}, which are no SAE's entries: pass the "
                     "model's own values as run_with_cache's names=[...] (standard names).")
-
-
-def _predicate(names_filter) -> Callable[[str], bool]:
-    if names_filter is None:
-        return lambda name: True
-    if callable(names_filter):
-        return names_filter
-    names = {names_filter} if isinstance(names_filter, str) else set(names_filter)
-    return names.__contains__
 
 
 def _returned(logits: torch.Tensor, cache: ActivationCache, return_type, per_token: bool):
