@@ -7,7 +7,12 @@ nnsight on the same engine, one invoke per prompt, the vector added in place to 
 every step, (c) ``model.steered_generate(prompts, ...)`` (nnterp: the standard ``layer_output``, the fused stream
 read as a sum and handed on), (d) ``nnterp.steered_generate`` on transformers over the same weights, one
 left-padded batch, (e) the same steering written in a trace on the standard value (``layer_output[:] += v``: the
-fused stream read as a sum and handed on, a copy of the step's slab per request and block). Prints tokens/s and the ratios the issue tracks: (c)/(b) and (c)/(a) in time.
+fused stream read as a sum and handed on, a copy of the step's slab per request and block). Prints tokens/s and the
+ratios tracked: (c)/(b) and (c)/(a) in time. The rounds are interleaved (one of each variant per round), so a change in
+the machine's load shifts every variant alike.
+
+Then capture: ``nnterp.collect`` of ``layer_output`` at 4 blocks (every token) of the same prompts on vLLM against
+the same on transformers (batches of 32), prompts/s and the ratio.
 """
 
 from __future__ import annotations
@@ -27,14 +32,31 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_generation import build, timed  # noqa: E402
+from vllm_generation import build  # noqa: E402
+
+
+def interleaved(variants: dict, rounds: int) -> dict[str, float]:
+    """The median seconds of each variant, one call of each per round after a warm-up of each."""
+    import statistics
+    import time
+
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {label: [] for label in variants}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--prompts", default="1,8,32", help="numbers of prompts, comma-separated")
+    parser.add_argument("--prompts", default="1,8,32,128", help="numbers of prompts, comma-separated")
+    parser.add_argument("--capture", type=int, default=128, help="prompts collected in the capture comparison (0: none)")
     args = parser.parse_args()
     from vllm import SamplingParams
 
@@ -88,7 +110,7 @@ def main() -> None:
 
         variants = {"(a) engine": engine, "(b) raw nnsight": raw_nnsight, "(c) nnterp on vLLM": standardized,
                     "(d) nnterp on transformers": on_hf, "(e) layer_output[:] += v in a trace": standard_read}
-        seconds = {label: timed(fn, args.rounds) for label, fn in variants.items()}
+        seconds = interleaved(variants, args.rounds)
         print(f"{count} prompts:")
         for label, time in seconds.items():
             print(f"  {label:<28} {count * n / time:9.1f} tokens/s")
@@ -96,6 +118,20 @@ def main() -> None:
         print(f"  nnterp on vLLM: x {c / b:.2f} raw nnsight's time, x {c / a:.2f} the engine's, x {c / d:.2f} "
               f"transformers'; the standard read and hand-back (e): x {e / b:.2f} raw nnsight's time")
         sys.stdout.flush()
+    if args.capture:
+        ids = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(args.capture)]
+        texts = [" ".join(f"w{i}" for i in row) for row in ids]
+        blocks = [0, 2, 4, 5]
+
+        def capture(model):
+            return lambda: nnterp.collect(model, texts, tempfile.mkdtemp(), values=["layer_output"], layers=blocks,
+                                          positions="all", batch_size=32, progress=False)
+
+        seconds = interleaved({"vLLM": capture(model), "transformers": capture(on_transformers)}, args.rounds)
+        print(f"capture: collect of layer_output at {len(blocks)} blocks, every token of {args.capture} prompts")
+        for label, time in seconds.items():
+            print(f"  {label:<28} {args.capture / time:9.1f} prompts/s")
+        print(f"  vLLM: x {seconds['vLLM'] / seconds['transformers']:.2f} transformers' time")
     os._exit(0)  # the in-process engine's threads would hold the exit
 
 

@@ -3,6 +3,7 @@ shard writer while the next batch runs (the package's docstring tells the whole:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -99,9 +100,14 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
         settings["features"] = {name: list(site) for name, (_, site) in features.items()}
     mine = list(range(0, len(prompts), batch_size))[rank::world]
     manifest = MANIFEST if world == 1 else f"manifest-{rank}-of-{world}.json"
-    if not remote and not model.dispatched:
+    # a model that reads its batches its own way (each prompt its own request on vLLM) says first what it cannot do
+    own_reader = model.collect_reader(features, max_new_tokens, steering, remote) if hasattr(
+        type(model), "collect_reader") else None
+    if own_reader is None and not remote and not model.dispatched:
         model.dispatch()  # the first trace would: the weights' checksum needs them
-    writer_identity = provenance.writer(model, positions, dtype, remote)
+    writer_identity = (model.collection_writer(positions, dtype) if own_reader is not None else
+                       provenance.writer(model, positions, dtype, remote))
+    read_batch = own_reader or functools.partial(_collect_batch, model)
     if features:
         writer_identity["dictionaries"] = {name: dictionary_digest(d) for name, (d, _) in features.items()}
     own, done = resume(folder, settings, writer_identity, manifest, mine)
@@ -109,7 +115,7 @@ def collect(model, prompts: Sequence[str], folder: str | Path, values: Sequence[
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="collecting", unit="batch", disable=not progress)
     with ShardWriter(folder, manifest, settings, writer_identity, own) as writer:
         for start in todo:
-            tensors, ready = to_host(_collect_batch(model, prompts[start:start + batch_size], names, layers,
+            tensors, ready = to_host(read_batch(prompts[start:start + batch_size], names, layers,
                                                      positions, dtype, remote, features, max_new_tokens, steering))
             writer.write(start, tensors, ready)  # written while the next batch runs
             bar.update()

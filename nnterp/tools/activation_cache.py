@@ -35,7 +35,7 @@ from .pass_arguments import (  # noqa: F401 - imported from here by the Transfor
     _returned,
     lm_loss,
 )
-from .refusals import refuse_unsupported
+from .refusals import own_tool, refuse_unsupported
 from .steering import apply_steering, check_new_tokens, prepare_steering, refuse_right_padding, steering_plan
 
 
@@ -355,6 +355,11 @@ def run_with_cache(model, prompts: str | Sequence[str] | torch.Tensor, names: st
     Hooks of ``with model.hooks(...)`` apply to the pass, and the cache holds the values they leave.
     """
     refuse_unsupported(model, "run_with_cache")
+    own = own_tool(model, "run_with_cache")
+    if own is not None:  # the model runs it its own way (each prompt its own request on vLLM)
+        return own(prompts, names, layers, remote, names_filter=names_filter, remove_batch_dim=remove_batch_dim,
+                   stop_at_layer=stop_at_layer, return_type=return_type, prepend_bos=prepend_bos,
+                   padding_side=padding_side, max_new_tokens=max_new_tokens, steer=steer, **generate_kwargs)
     _refuse_foreign_arguments(generate_kwargs, max_new_tokens is not None)
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type is one of {', '.join(map(repr, RETURN_TYPES))}, not {return_type!r}.")

@@ -11,6 +11,7 @@ through nnsight's ``eproperty`` write-back as ``(0, stream)``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import uuid
 from typing import Any
@@ -24,14 +25,16 @@ from nnsight.modeling.vllm import VLLM
 
 from ..core.engine import ValueOutsideTrace
 from ..core.order import Availability, AvailabilityTable
-from ..spec.catalog import ADDED, CATALOG, STREAM, value_named
+from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
+from . import tools
 from .places import FUSED, Place, VLLMFamily, served_family
 from .stream import StreamAt, check_streams, read_stream
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
 # imports it in its own processes
 CPU_WORKER = "nnterp.vllm.worker.NNsightCPUWorker"
+GPU_WORKER = "nnterp.vllm.worker.NNsightSteeringWorker"  # nnsight's CUDA worker, with nnterp's steering RPCs
 
 ONE_PROMPT = ("vLLM runs one request per invoke: give each prompt its own `with tracer.invoke(prompt):` inside "
               "`with model.trace() as tracer:` (values are [1, tokens, width] per invoke)")
@@ -209,11 +212,6 @@ def _cpu_meta_build():
         yield
 
 
-def _is_prompt_list(prompts) -> bool:
-    """A list of prompts (strings, or lists of token ids), not one prompt of token ids."""
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
-
-
 def _salted(prompt):
     """A traced request with a salt of its own (vLLM's ``cache_salt``): the KV its interventions computed is never
     served to another request from the prefix cache, and (with nnsight's own ``skip_reading_prefix_cache``) it
@@ -256,7 +254,7 @@ class StandardizedVLLM(VLLM):
     it for every read); the CPU build's native kernels do not.
     """
 
-    _WORKER_CLS = VLLM._WORKER_CLS if torch.cuda.is_available() else CPU_WORKER
+    _WORKER_CLS = GPU_WORKER if torch.cuda.is_available() else CPU_WORKER
 
     def __init__(self, model: str | os.PathLike, *args: Any, dtype: str | torch.dtype = "auto", **engine_kwargs: Any):
         from transformers import AutoConfig
@@ -294,6 +292,7 @@ class StandardizedVLLM(VLLM):
         }, **engine_kwargs)
         self._nnterp_vllm_family = family
         self._nnterp_config = config
+        self._nnterp_checkpoint, self._nnterp_dtype = str(model), dtype
         for layer, block in enumerate(self.layers):
             for envoy in {block, getattr(block, family.attention), block.mlp}:
                 envoy._nnterp_layer = layer
@@ -401,101 +400,27 @@ class StandardizedVLLM(VLLM):
             logits = logits * processor.scale
         return logits
 
-    # nnterp's tools that StandardizedVLLM cannot run, and why (nnterp.tools.refusals asks at each tool's entry)
-    REFUSED_TOOLS = {
-        "run_with_cache": "it runs a padded batch in one forward pass and returns the logits at every position; "
-                          "vLLM takes one prompt per invoke and computes the logits at the last position only. "
-                          "Save the values inside `with model.trace(prompt):` (under tracer.iter for generated "
-                          "tokens) and read model.logits there",
-        "activation_patching": "its metric reads the logits at every position of a batch of patched copies of the "
-                               "corrupted prompts in one forward pass; vLLM computes the logits at the last position "
-                               "only and takes one prompt per invoke. Patch by hand: one trace saves the clean value "
-                               "(`clean = model.layers[i].layer_output.save()`), the next assigns it in the "
-                               "corrupted run (`model.layers[i].layer_output[:, p] = clean[:, p]`; the invokes of one "
-                               "trace are separate requests and share no variables)",
-        "attribution_patching": "it needs gradients, and vLLM runs inference only",
-        "collect": "it runs padded batches of prompts per forward pass, and vLLM takes one prompt per invoke; save "
-                   "the values of each prompt's own invoke inside one model.trace() instead",
-        "splice": "it follows how far transformers' forward has run through nnsight's module counts and rewrites "
-                  "the site through the core's engine, which vLLM's blocks do not run. Encode and decode by hand "
-                  "inside the trace: `h = model.layers[i].layer_output; h[:] = dictionary.decode("
-                  "dictionary.encode(h))`",
-        "top_activations": "it encodes the prompts as one padded batch in one forward pass (splice's machinery); "
-                           "vLLM takes one prompt per invoke. Encode each prompt's value in its own invoke",
-        "patchscope_lens": "it runs the source prompts and a batch of patched copies of the target prompt as padded "
-                           "batches in one invoke each; vLLM takes one prompt per invoke. Save the source value in "
-                           "one trace and assign it in the target's (as patching by hand)",
-        "run_prompts": "it runs padded batches of prompts and reads the logits at each prompt's last position of "
-                       "the batch; vLLM takes one prompt per invoke. Read model.next_token_probs in one invoke per "
-                       "prompt",
-        "skip_layers": "it replaces the blocks' calls by nnsight's skip with the transformers family's output "
-                       "container (model.family.skip_output); vLLM's fused blocks take and return the stream in two "
-                       "halves. Assign the stream instead: `model.layers[end].layer_output = "
-                       "model.layers[start].layer_input` (the blocks between still run)",
-        "test_prompt": "it reads the logits at every answer position of prompt + answer; vLLM computes the logits at "
-                       "the last position only. Read model.project_on_vocab(model.layers[-1].layer_output) inside "
-                       "a trace for every position",
-        "attribution_graph": "it needs gradients through a frozen replacement pass, and vLLM runs inference only",
-    }
-    # nnterp's tools that run on StandardizedVLLM (the tests check this table and REFUSED_TOOLS against nnterp's
-    # tool list): those with a model of their own here (tool_implementation), and those that need only the
-    # tokenizer or a trace of one prompt per invoke
-    RUNNING_TOOLS = ("add_to", "steered_generate", "logit_lens", "to_str_tokens", "top_tokens")
+    # nnterp's tools on StandardizedVLLM: those refused at their entry and why, and those that run (nnterp.vllm.tools)
+    REFUSED_TOOLS = tools.REFUSED
+    RUNNING_TOOLS = tools.RUNNING
 
     def tool_implementation(self, tool: str):
         """The engine's own implementation of nnterp's ``tool`` (``nnterp.tools.refusals.own_tool``), or None."""
-        return {"steered_generate": self._steered_generate_tool, "logit_lens": self._logit_lens_tool}.get(tool)
+        implementation = tools.IMPLEMENTED.get(tool)
+        return None if implementation is None else functools.partial(implementation, self)
 
-    def _logit_lens_tool(self, prompts, layers=None, value: str = "layer_output", position: int | None = -1,
-                         remote: bool | str = False, return_inv_logits: bool = False, lens=None):
-        """``nnterp.logit_lens`` on the engine: each prompt its own request (one trace, one invoke each), each
-        layer's ``value`` through ``project_on_vocab`` at ``position`` of the prompt's own tokens. Returns
-        ``[prompts, layers, vocab]`` as on transformers; ``position=None`` (every position) takes prompts of one
-        length, ``[prompts, layers, seq, vocab]`` (transformers' padded batch has no unpadded counterpart)."""
-        if remote or lens is not None:
-            raise NotImplementedError("logit_lens on StandardizedVLLM runs on the local engine with the plain "
-                                      "readout: remote= and lens= (the tuned lens) are transformers' only.")
-        name = value.rpartition(".")[2]
-        if name not in STREAM + ADDED:
-            raise ValueError(f"logit_lens reads one of {', '.join(STREAM + ADDED)}, not {value!r}.")
-        batch = [prompts] if isinstance(prompts, str) or not _is_prompt_list(prompts) else list(prompts)
-        wanted = range(self.num_layers) if layers is None else [layers] if isinstance(layers, int) else layers
-        wanted = [self.block_spec(layer) for layer in wanted]  # in the order asked for, repeats included
-        signs = (1, -1) if return_inv_logits else (1,)
-        with torch.no_grad(), self.trace(temperature=0.0, max_tokens=1) as tracer:
-            for prompt in batch:
-                with tracer.invoke(prompt):
-                    per_layer = {}
-                    for layer in sorted(set(wanted)):  # in forward order
-                        hidden = self.read_value(layer, name)
-                        hidden = hidden if position is None else hidden[:, position].unsqueeze(1)
-                        per_layer[layer] = [self.project_on_vocab(sign * hidden).float().softmax(dim=-1).cpu()
-                                            for sign in signs]
-                    rows = nnsight.save({"lens": [torch.stack([per_layer[layer][k] for layer in wanted], dim=1)
-                                                  for k in range(len(signs))]})
-        rows = rows if isinstance(rows, list) else [rows]  # one saved value per invoke
-        if position is None and len({row["lens"][0].shape[2] for row in rows}) > 1:
-            raise ValueError("logit_lens(position=None) on StandardizedVLLM takes prompts of one length (each runs "
-                             "unpadded as its own request); give a position, or one prompt per call.")
-        lenses = [torch.cat([row["lens"][k] for row in rows]) for k in range(len(signs))]
-        lenses = [lens if position is None else lens[:, :, 0] for lens in lenses]
-        return tuple(lenses) if return_inv_logits else lenses[0]
+    def run_with_cache(self, prompts, names=None, layers=None, **kwargs):
+        """``(logits, cache)`` of the standard values ``names`` of blocks ``layers``, each prompt its own request:
+        ``nnterp.run_with_cache`` on the engine (``nnterp.vllm.tools.run_with_cache``)."""
+        return tools.run_with_cache(self, prompts, names, layers, **kwargs)
 
-    def _steered_generate_tool(self, prompts, layers, vector, *, scope="all", positions=None, batch=None,
-                               remote=False, **kwargs):
-        """``nnterp.steered_generate`` on the engine: its arguments that vLLM's generation has no counterpart of
-        are refused; the others go to ``model.steered_generate``."""
-        asked = {"scope": scope != "all", "positions": positions is not None, "batch": batch is not None,
-                 "remote": bool(remote)}
-        if any(asked.values()):
-            raise NotImplementedError(
-                f"steered_generate on StandardizedVLLM adds the vector at every position of every step of each "
-                f"prompt's own request; {', '.join(k for k, v in asked.items() if v)} "
-                "cannot be honoured there. Leave them out, or write the steering in a trace (`with "
-                "model.trace(prompt, max_tokens=n) as tracer: for step in tracer.iter[0:n]: ...`).")
-        if "do_sample" in kwargs:  # transformers' spelling: greedy is vLLM's temperature 0
-            kwargs.setdefault("temperature", 1.0 if kwargs.pop("do_sample") else 0.0)
-        return self.steered_generate(prompts, layers, vector, **kwargs)
+    def collection_writer(self, positions, dtype) -> dict:
+        """Who writes a collection made on the engine (``nnterp.collection.provenance``)."""
+        return tools.collection_writer(self, positions, dtype)
+
+    def collect_reader(self, features, max_new_tokens, steering, remote):
+        """``nnterp.collect``'s batch reader on the engine, or the reason it cannot collect what is asked."""
+        return tools.collect_reader(self, features, max_new_tokens, steering, remote)
 
     def refuse_tool(self, tool: str) -> None:
         """Raise ``NotImplementedError`` naming why ``tool`` cannot run on vLLM and what to do, where it cannot."""
@@ -512,42 +437,69 @@ class StandardizedVLLM(VLLM):
         them: each is its own request (its own invoke) in one trace, which vLLM batches. Returns the token ids
         ``[prompts, longest prompt + new]``, shorter prompts padded on the left with the tokenizer's pad token,
         as ``nnterp.steered_generate`` returns them from transformers' generate of a left-padded batch."""
-        batch = list(prompts) if _is_prompt_list(prompts) else [prompts]
+        batch = tools.prompt_list(prompts)
         if not batch:
             raise ValueError("steered_generate takes a prompt or a non-empty list of prompts, got an empty list.")
         layers = [layers] if isinstance(layers, int) else list(layers)
         layers = sorted({self.block_spec(layer) for layer in layers})  # wrapped, then in forward order
-        owner = value_named(value).owner
         if max_new_tokens < 1:
             raise ValueError(f"steered_generate generates at least one token; max_new_tokens={max_new_tokens}.")
         if not isinstance(vector, torch.Tensor) or vector.shape[-1] != self.hidden_size:
             raise ValueError(f"steered_generate adds a vector of the model's width ({self.hidden_size}); got "
                              f"{list(getattr(vector, 'shape', [type(vector).__name__]))}.")
         sampling.setdefault("temperature", 0.0)
-        place = self.vllm_family.values.get(value_named(value).name)
-        # a fused block's output: the vector added in place to the first of the stream's two parts, which the next
-        # fused add sums (exact up to float32 rounding) with no hand-back of the stream (a copy of the step's slab
-        # per request and block); any other value through its standard read
-        half = place.parts[0] if place is not None and place.read == "sum" and place.path == "" and \
-            place.side == "output" else None
+        edits = self._slab_edits(layers, value_named(value).name, factor * vector)
+        if edits is not None:
+            outputs = self._generate_with_edits(batch, edits, max_new_tokens, sampling)
+        else:
+            outputs = self._steered_in_a_trace(batch, layers, value, factor * vector, max_new_tokens, sampling)
+        rows = [[*out.prompt_token_ids, *out.outputs[0].token_ids] for out in outputs]
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        width = max(len(row) for row in rows)
+        return torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+
+    def _slab_edits(self, layers: list[int], name: str, vector: torch.Tensor) -> list | None:
+        """The steering as the worker's RPC adds it (``nnterp_steer``): one edit per block, of the step's whole slab,
+        where the value is a module's output or input tensor the vector can be added to as it stands (the fused
+        stream: to the first of its two parts, which the next fused add sums); None where it is not (a copy, a
+        shared tensor, a per-head view: those go through the standard read in a trace)."""
+        place = self.vllm_family.values.get(name)
+        if place is None or place.copy or place.shared or place.heads or vector.numel() != self.hidden_size:
+            return None
+        element = place.parts[0] if place.read == "sum" else place.arg if place.side == "input" else 0
+        vector = vector.detach().reshape(self.hidden_size).cpu()
+        return [(f"{self.vllm_family.layers}.{layer}" + (f".{place.path}" if place.path else ""), place.side,
+                 element, vector) for layer in layers]
+
+    def _generate_with_edits(self, batch: list, edits: list, max_new_tokens: int, sampling: dict) -> list:
+        """vLLM's own generate of ``batch`` (each prompt salted out of the prefix cache, as a traced request is) with
+        ``edits`` on the workers for the call, taken off again whatever happens."""
+        from vllm import SamplingParams
+
+        engine = self.vllm_entrypoint
+        prompts = [self._prompt(prompt) for prompt in batch]
+        engine.collective_rpc("nnterp_steer", args=(edits,))
+        try:
+            return engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens, ignore_eos=True, **sampling),
+                                   use_tqdm=False)
+        finally:
+            engine.collective_rpc("nnterp_unsteer")
+
+    def _steered_in_a_trace(self, batch: list, layers: list[int], value: str, vector: torch.Tensor,
+                            max_new_tokens: int, sampling: dict) -> list:
+        """The steering written in a trace, one invoke per prompt, on the standard value's own read."""
+        owner = value_named(value).owner
         with torch.no_grad(), self.trace(max_tokens=max_new_tokens, ignore_eos=True, **sampling) as tracer:
             for prompt in batch:
                 with tracer.invoke(prompt):
                     for _step in tracer.iter[0:max_new_tokens]:
                         for layer in layers:  # in forward order
                             block = self.layers[layer]
-                            if half is not None:
-                                block.output[half][:] += factor * vector
-                            else:
-                                steered = getattr(block if owner == "block" else getattr(block, owner), value)
-                                steered[:] += factor * vector
+                            steered = getattr(block if owner == "block" else getattr(block, owner), value)
+                            steered[:] += vector
                     output = nnsight.save(tracer.result)
-        outputs = output if isinstance(output, list) else [output]
-        rows = [[*out.prompt_token_ids, *out.outputs[0].token_ids] for out in outputs]
-        pad = self.tokenizer.pad_token_id
-        pad = self.tokenizer.eos_token_id if pad is None else pad
-        width = max(len(row) for row in rows)
-        return torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+        return output if isinstance(output, list) else [output]
 
     def availability(self, layer: int) -> AvailabilityTable:
         """Every standard value of block ``layer``: where it is read in vLLM's code, or why it has no place."""

@@ -314,6 +314,24 @@ def main(family: str) -> dict:
             handle.remove()
     result["steered"] = ids[0, len(PROMPT):].tolist()
     result["steered_prompt"] = ids[0, :len(PROMPT)].tolist() == PROMPT
+    # the same steering written in a trace (one invoke per prompt, the standard value's own read): the path
+    # steered_generate takes where its one edit of the step's slab cannot serve the value
+    traced = model._steered_in_a_trace([PROMPT], [0, 1], "layer_output", vector, steps, {"temperature": 0.0})
+    result["steered_in_a_trace"] = list(traced[0].outputs[0].token_ids)
+    # a contribution steered (a module's own output): against the same addition by a hook on transformers' module
+    if "mlp_output" in available:
+        path, side = hooks["mlp_output"]
+        scaled = vector / 2
+        ids = model.steered_generate(PROMPT, [0, 1], scaled, value="mlp_output", max_new_tokens=steps)
+        handles = [(blocks_of(hf)[i].get_submodule(path) if path else blocks_of(hf)[i]).register_forward_hook(
+            lambda _m, _a, out: (out[0] + scaled, *out[1:]) if isinstance(out, tuple) else out + scaled)
+            for i in (0, 1)]
+        try:
+            result["expected_steered_mlp"] = greedy(hf, PROMPT, steps)
+        finally:
+            for handle in handles:
+                handle.remove()
+        result["steered_mlp"] = ids[0, len(PROMPT):].tolist()
 
     # the lens' readout: every block's stream through project_on_vocab, against transformers' own final norm and
     # head on the hooked stream, and on the last block against transformers' logits at every position
@@ -385,16 +403,60 @@ def main(family: str) -> dict:
     except Exception as error:  # noqa: BLE001 - reported to the test
         result["patching_by_hand"] = f"{type(error).__name__}: {error}"
 
-    # the tools StandardizedVLLM cannot run are refused at their entry, saying why
+    # run_with_cache and collect over two prompts of different lengths (each its own request): every cached value
+    # against the plain hooks' value at the prompt's own positions, the logits at every position against
+    # transformers'; collect's rows (every token, two blocks) against the same hooks
     from nnterp.collection import collect
     from nnterp.tools.activation_cache import run_with_cache
     from nnterp.tools.patching import activation_patching, attribution_patching
 
+    prompts = [PROMPT, OTHER]
+    truth = [hooked(hf, ids, hooks)[1] for ids in prompts]
+    with torch.no_grad():
+        every = [hf(torch.tensor([ids])).logits[0] for ids in prompts]
+    try:
+        cache_logits, cache = run_with_cache(model, prompts)
+        mask = cache.attention_mask.bool()
+        diffs, worst = {}, 0.0
+        for name in available:
+            for layer in layers:
+                got = cache[name, layer]
+                for row, ids in enumerate(prompts):
+                    want = truth[row][(layer, name)].reshape(got[row][mask[row]].shape)
+                    diff = float((got[row][mask[row]] - want).abs().max()) / max(1.0, float(want.abs().max()))
+                    diffs[f"{layer}.{name}"] = max(diffs.get(f"{layer}.{name}", 0.0), diff)
+        for row in range(len(prompts)):
+            worst = max(worst, float((cache_logits[row][mask[row]] - every[row]).abs().max()))
+        result["run_with_cache"] = {"diffs": diffs, "logits": worst, "shape": list(cache_logits.shape),
+                                    "ids": [cache.input_ids[row][mask[row]].tolist() for row in range(2)],
+                                    "held": sorted(cache.names)}
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["run_with_cache"] = f"{type(error).__name__}: {error}"
+    texts = [" ".join(f"w{i}" for i in ids) for ids in prompts]
+    collected_names = [name for name in ("layer_output", "mlp_output", "attention_output") if name in available]
+    try:
+        collection = collect(model, texts, tempfile.mkdtemp(), values=collected_names, layers=[-1, 0],
+                             positions="all", batch_size=2, progress=False)
+        diffs = {}
+        for name in collected_names:
+            rows = collection[name]  # [tokens, layers, width], the prompts' tokens one after the other
+            want = torch.cat([torch.stack([truth[p][(layer, name)].reshape(len(prompts[p]), -1)
+                                           for layer in (model.num_layers - 1, 0)], dim=1) for p in range(2)])
+            diffs[name] = float((rows - want).abs().max()) / max(1.0, float(want.abs().max()))
+        last = collect(model, texts, tempfile.mkdtemp(), values=["layer_output"], layers=[1], progress=False)
+        want_last = torch.stack([truth[p][(1, "layer_output")].reshape(len(prompts[p]), -1)[-1] for p in range(2)])
+        result["collect"] = {"diffs": diffs, "last": float((last["layer_output"][:, 0] - want_last).abs().max()),
+                             "rows": len(collection[collected_names[0]])}
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["collect"] = f"{type(error).__name__}: {error}"
+
+    # the tools StandardizedVLLM cannot run, and the arguments of those it runs that it cannot honour, are refused
+    # at their entry, saying why
     metric = lambda logits: logits[:, -1, 3].mean()  # noqa: E731
-    calls = {"run_with_cache": lambda: run_with_cache(model, "w5"),
+    calls = {"run_with_cache(names_filter=)": lambda: run_with_cache(model, "w5", names_filter="blocks.0.hook_z"),
              "activation_patching": lambda: activation_patching(model, "w5 w6", "w7 w6", metric),
              "attribution_patching": lambda: attribution_patching(model, "w5 w6", "w7 w6", metric),
-             "collect": lambda: collect(model, ["w5 w6"], tempfile.mkdtemp())}
+             "collect(max_new_tokens=)": lambda: collect(model, ["w5 w6"], tempfile.mkdtemp(), max_new_tokens=2)}
     refused = {}
     for tool, call in calls.items():
         try:

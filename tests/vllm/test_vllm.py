@@ -107,6 +107,15 @@ def test_steered_generation_is_token_for_token_that_of_a_hooked_transformers_loo
     assert measured["steered_prompt"]
     assert measured["steered"] == measured["expected_steered"]
     assert measured["steered"] != measured["generated"], "the steering changes nothing, so it proves nothing"
+    # the one edit of the step's slab and the same steering written per request in a trace give the same tokens
+    assert measured["steered_in_a_trace"] == measured["steered"]
+
+
+def test_a_steered_contribution_is_token_for_token_that_of_a_hooked_module(measured):
+    if "steered_mlp" not in measured:
+        pytest.skip(f"{measured['family']} has no mlp_output on vLLM")
+    assert measured["steered_mlp"] == measured["expected_steered_mlp"]
+    assert measured["steered_mlp"] != measured["generated"], "the steering changes nothing, so it proves nothing"
 
 
 def test_project_on_vocab_is_transformers_readout_of_every_stream(measured):
@@ -128,13 +137,35 @@ def test_patching_by_hand_across_two_traces_is_the_hooked_patch(measured):
     assert patched["moved"] > 1e-3 and patched["diff"] < 1e-4, patched
 
 
-def test_tools_that_need_batches_or_every_logit_are_refused_at_their_entry(measured):
+def test_run_with_cache_holds_every_value_of_each_prompt_as_the_hooks_do(measured):
+    cached = measured["run_with_cache"]
+    assert isinstance(cached, dict), cached
+    assert set(cached["held"]) == set(measured["available"])
+    assert cached["ids"] == [[5, 17, 33, 9, 60, 41, 12], [7, 8, 99, 3]]  # each prompt's own tokens, padding apart
+    assert cached["shape"][:2] == [2, 7]  # a padded batch, the logits at every position
+    assert len(cached["diffs"]) == len(measured["available"]) * measured["num_layers"]
+    bad = {key: diff for key, diff in cached["diffs"].items() if diff > FLOAT32}
+    assert not bad, bad
+    assert cached["logits"] < FLOAT32 * 100, cached["logits"]  # the head reads a width-128 stream: float32 rounding
+
+
+def test_collect_gathers_each_prompts_rows_as_the_hooks_do(measured):
+    collected = measured["collect"]
+    assert isinstance(collected, dict), collected
+    assert collected["rows"] == 7 + 4  # every real token of both prompts, none of the padding
+    assert all(diff < FLOAT32 for diff in collected["diffs"].values()), collected["diffs"]
+    assert collected["last"] < FLOAT32 * 10, collected["last"]
+
+
+def test_what_runs_cannot_honour_is_refused_at_the_entry(measured):
     refused = measured["tool_refusals"]
-    assert set(refused) == {"run_with_cache", "activation_patching", "attribution_patching", "collect"}
     for tool, error in refused.items():
-        assert error is not None and error.startswith(f"NotImplementedError: {tool} does not run on StandardizedVLLM"), error
-    assert "last position only" in refused["run_with_cache"]
+        name = tool.partition("(")[0]
+        assert error is not None and error.startswith("NotImplementedError: " + name), error
+    assert "names_filter=" in refused["run_with_cache(names_filter=)"]
+    assert "max_new_tokens=" in refused["collect(max_new_tokens=)"]
     assert "gradients" in refused["attribution_patching"]
+    assert "last position only" in refused["activation_patching"]
 
 
 def test_refusals_say_what_to_do(measured):
