@@ -152,6 +152,8 @@ def test_run_with_cache_holds_every_value_of_each_prompt_as_the_hooks_do(measure
 def test_collect_gathers_each_prompts_rows_as_the_hooks_do(measured):
     collected = measured["collect"]
     assert isinstance(collected, dict), collected
+    if "skipped" in collected:
+        pytest.skip(collected["skipped"])
     assert collected["rows"] == 7 + 4  # every real token of both prompts, none of the padding
     assert all(diff < FLOAT32 for diff in collected["diffs"].values()), collected["diffs"]
     assert collected["last"] < FLOAT32 * 10, collected["last"]
