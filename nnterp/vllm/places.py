@@ -10,8 +10,11 @@ calling convention between blocks. Two block shapes cover the families placed he
   stream exactly (``0 + x == x`` in every float format).
 * ``plain``: a block takes and returns the stream as one tensor (GPT-2's).
 
-Activations are flat ``[tokens, width]`` slabs; the values are read as ``[1, tokens, width]`` per invoke (one prompt
-per invoke, nnsight's rule for vLLM).
+Each value is declared in the core's vocabulary (``nnterp.spec.locations.At`` and its views, as the transformers
+family specs declare theirs), but for the fused stream, which is no one tensor (``FusedStream``). What differs on
+vLLM is the backend's (``nnterp.vllm.standardized``, ``nnterp.vllm.stream``): activations are flat ``[tokens, width]``
+slabs, read as ``[1, tokens, width]`` per invoke (one prompt per invoke, nnsight's rule for vLLM), then through the
+location's views.
 """
 
 from __future__ import annotations
@@ -20,48 +23,29 @@ from dataclasses import dataclass, field
 
 from ..families.base import PARALLEL_NO_MID, ROUTED
 from ..spec.catalog import ATTENTION_INTERNALS
+from ..spec.locations import At
 
 FUSED, PLAIN = "fused", "plain"
 
 
 @dataclass(frozen=True)
-class Place:
-    """A value at a module boundary, relative to the block (``path`` "" is the block).
-
-    ``read``: ``"tensor"`` (the boundary's tensor: an output, or positional input ``arg``), ``"first"`` (element 0
-    of an output that is a tuple from block 1 on: a fused norm's normed half), ``"sum"`` (the fused stream: elements
-    ``parts`` of the output, or positional inputs ``parts``, added; the first alone where the second is None).
-    ``shared``: the block keeps using this tensor past the module that receives it (the stream after GPT-2's
-    attention add is both ``ln_2``'s input and the residual): an assignment is copied into it, as an in-place edit
-    is. ``heads``: the value is viewed per head, ``[1, tokens, heads, head_dim]``. ``copy``: the block changes this
-    tensor in place after it is read (Falcon adds the attention output into the MLP's output): the reader gets a
-    copy, handed to the model in place of its own when the trace moves on, so the reader's edits reach the model and
-    the model's later in-place change does not reach the reader's tensor."""
+class FusedStream:
+    """The stream of a fused block between its sublayers: elements ``parts`` of a boundary (outputs, or positional
+    inputs) added, the first alone where the second is None (block 0's residual). Read as their sum, written back as
+    ``(0, stream)`` (``nnterp.vllm.stream``)."""
 
     path: str
     side: str  # "input" | "output"
-    read: str = "tensor"
-    arg: int = 0
     parts: tuple[int, int] = (0, 1)
-    shared: bool = False
-    heads: bool = False
-    copy: bool = False
+    copy = shared = heads = False  # as an ``At`` says them: the stream is a new tensor, handed back as a whole
 
     def describe(self) -> str:
         where = (self.path or "<block>") + "." + self.side
-        if self.read == "sum":
-            kind = "output" if self.side == "output" else "input"
-            return f"{where} {kind}s {list(self.parts)} added (the fused stream: written back as (0, stream))"
-        if self.read == "first":
-            return f"{where}[0] (where it is a tuple: a fused norm's normed half, a linear layer's output beside its bias)"
-        text = where + (f"[{self.arg}]" if self.side == "input" else "")
-        if self.heads:
-            text += " viewed per head"
-        if self.shared:
-            text += " (the stream: an assignment replaces it everywhere the block uses it)"
-        if self.copy:
-            text += " (a copy, handed back: the block then changes this tensor in place)"
-        return text
+        kind = "output" if self.side == "output" else "input"
+        return f"{where} {kind}s {list(self.parts)} added (the fused stream: written back as (0, stream))"
+
+
+Place = At | FusedStream  # where a value is read in vLLM's code
 
 
 _INTERNALS = ("vLLM computes the attention in its paged-attention kernel (queries, keys and values leave qkv_proj "
@@ -108,16 +92,16 @@ def _fused(name: str, classes: tuple[str, ...], *, attention_contribution: str =
     """A fused-stream family: Llama's module names unless named (the contributions are the sublayers' outputs,
     or the norms after them: Gemma-2's sandwich)."""
     values = {
-        "layer_input": Place("", "input", "sum", parts=(1, 2)),
-        "attention_norm_output": Place("input_layernorm", "output", "first"),
-        "attention_premix": Place("self_attn.o_proj", "input", heads=True),
-        "attention_output": Place(attention_contribution, "output"),
-        "layer_mid": Place(mlp_norm, "input", "sum", parts=(0, 1)),
-        "mlp_norm_output": Place(mlp_norm, "output", "first"),
-        "mlp_input": Place(mlp, "input"),
-        **({"mlp_neurons": Place(neurons, "input")} if neurons else {}),
-        "mlp_output": Place(mlp_contribution or mlp, "output"),
-        "layer_output": Place("", "output", "sum", parts=(0, 1)),
+        "layer_input": FusedStream("", "input", (1, 2)),
+        "attention_norm_output": At("input_layernorm", "output"),
+        "attention_premix": At("self_attn.o_proj", "input", heads=True),
+        "attention_output": At(attention_contribution, "output"),
+        "layer_mid": FusedStream(mlp_norm, "input", (0, 1)),
+        "mlp_norm_output": At(mlp_norm, "output"),
+        "mlp_input": At(mlp, "input"),
+        **({"mlp_neurons": At(neurons, "input")} if neurons else {}),
+        "mlp_output": At(mlp_contribution or mlp, "output"),
+        "layer_output": FusedStream("", "output", (0, 1)),
     }
     return VLLMFamily(name=name, shape=FUSED, values=values, mlp=mlp, classes=classes, unavailable={
         **{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
@@ -145,18 +129,18 @@ FAMILIES["GPT-2"] = VLLMFamily(
     ln_final="transformer.ln_f",
     attention="attn",
     values={
-        "layer_input": Place("", "input"),
-        "attention_norm_output": Place("ln_1", "output"),
-        "attention_premix": Place("attn.c_proj", "input", heads=True),
-        "attention_output": Place("attn", "output"),
-        "layer_mid": Place("ln_2", "input", shared=True),
-        "mlp_norm_output": Place("ln_2", "output"),
-        "mlp_input": Place("mlp", "input"),
+        "layer_input": At("", "input"),
+        "attention_norm_output": At("ln_1", "output"),
+        "attention_premix": At("attn.c_proj", "input", heads=True),
+        "attention_output": At("attn", "output"),
+        "layer_mid": At("ln_2", "input", shared=True),
+        "mlp_norm_output": At("ln_2", "output"),
+        "mlp_input": At("mlp", "input"),
         # vLLM builds one activation module and shares it between the blocks: read where it goes, c_proj's input
-        "mlp_activation": Place("mlp.c_proj", "input"),
-        "mlp_neurons": Place("mlp.c_proj", "input"),
-        "mlp_output": Place("mlp", "output"),
-        "layer_output": Place("", "output"),
+        "mlp_activation": At("mlp.c_proj", "input"),
+        "mlp_neurons": At("mlp.c_proj", "input"),
+        "mlp_output": At("mlp", "output"),
+        "layer_output": At("", "output"),
     },
     unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
 )
@@ -169,16 +153,16 @@ FAMILIES["GPT-J"] = VLLMFamily(
     ln_final="transformer.ln_f",
     attention="attn",
     values={
-        "layer_input": Place("", "input", arg=1),  # layer(position_ids, hidden_states)
-        "attention_norm_output": Place("ln_1", "output"),
-        "attention_premix": Place("attn.out_proj", "input", heads=True),
-        "attention_output": Place("attn", "output"),
-        "mlp_norm_output": Place("ln_1", "output"),  # one norm feeds both sublayers
-        "mlp_input": Place("mlp", "input"),
-        "mlp_activation": Place("mlp.fc_out", "input"),
-        "mlp_neurons": Place("mlp.fc_out", "input"),
-        "mlp_output": Place("mlp", "output"),
-        "layer_output": Place("", "output"),
+        "layer_input": At("", "input", arg=1),  # layer(position_ids, hidden_states)
+        "attention_norm_output": At("ln_1", "output"),
+        "attention_premix": At("attn.out_proj", "input", heads=True),
+        "attention_output": At("attn", "output"),
+        "mlp_norm_output": At("ln_1", "output"),  # one norm feeds both sublayers
+        "mlp_input": At("mlp", "input"),
+        "mlp_activation": At("mlp.fc_out", "input"),
+        "mlp_neurons": At("mlp.fc_out", "input"),
+        "mlp_output": At("mlp", "output"),
+        "layer_output": At("", "output"),
     },
     unavailable={"layer_mid": PARALLEL_NO_MID.reason, **{internal: _INTERNALS for internal in ATTENTION_INTERNALS}},
 )
@@ -190,17 +174,17 @@ FAMILIES["OPT"] = VLLMFamily(
     embed_tokens="model.decoder.embed_tokens",
     ln_final="model.decoder.final_layer_norm", mlp=None,
     values={
-        "layer_input": Place("", "input"),
-        "attention_norm_output": Place("self_attn_layer_norm", "output"),
-        "attention_premix": Place("self_attn.out_proj", "input", heads=True),
-        "attention_output": Place("self_attn", "output"),
-        "layer_mid": Place("final_layer_norm", "input", shared=True),
-        "mlp_norm_output": Place("final_layer_norm", "output"),
-        "mlp_input": Place("fc1", "input"),
-        "mlp_activation": Place("fc2", "input"),  # the activation module is shared between the blocks
-        "mlp_neurons": Place("fc2", "input"),
-        "mlp_output": Place("fc2", "output", "first"),
-        "layer_output": Place("", "output"),
+        "layer_input": At("", "input"),
+        "attention_norm_output": At("self_attn_layer_norm", "output"),
+        "attention_premix": At("self_attn.out_proj", "input", heads=True),
+        "attention_output": At("self_attn", "output"),
+        "layer_mid": At("final_layer_norm", "input", shared=True),
+        "mlp_norm_output": At("final_layer_norm", "output"),
+        "mlp_input": At("fc1", "input"),
+        "mlp_activation": At("fc2", "input"),  # the activation module is shared between the blocks
+        "mlp_neurons": At("fc2", "input"),
+        "mlp_output": At("fc2", "output"),
+        "layer_output": At("", "output"),
     },
     unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
 )
@@ -212,16 +196,16 @@ FAMILIES["Falcon"] = VLLMFamily(
     embed_tokens="transformer.word_embeddings",
     ln_final="transformer.ln_f", attention="self_attention",
     values={
-        "layer_input": Place("", "input", arg=1),  # layer(positions, hidden_states)
-        "attention_norm_output": Place("input_layernorm", "output"),
-        "mlp_norm_output": Place("input_layernorm", "output"),  # one norm feeds both sublayers
-        "attention_premix": Place("self_attention.dense", "input", heads=True),
-        "attention_output": Place("self_attention", "output", "first"),
-        "mlp_input": Place("mlp", "input"),
-        "mlp_activation": Place("mlp.dense_4h_to_h", "input"),  # the activation module is shared between blocks
-        "mlp_neurons": Place("mlp.dense_4h_to_h", "input"),
-        "mlp_output": Place("mlp", "output", "first", copy=True),
-        "layer_output": Place("", "output"),
+        "layer_input": At("", "input", arg=1),  # layer(positions, hidden_states)
+        "attention_norm_output": At("input_layernorm", "output"),
+        "mlp_norm_output": At("input_layernorm", "output"),  # one norm feeds both sublayers
+        "attention_premix": At("self_attention.dense", "input", heads=True),
+        "attention_output": At("self_attention", "output"),
+        "mlp_input": At("mlp", "input"),
+        "mlp_activation": At("mlp.dense_4h_to_h", "input"),  # the activation module is shared between blocks
+        "mlp_neurons": At("mlp.dense_4h_to_h", "input"),
+        "mlp_output": At("mlp", "output", copy=True),
+        "layer_output": At("", "output"),
     },
     unavailable={"layer_mid": PARALLEL_NO_MID.reason, **{internal: _INTERNALS for internal in ATTENTION_INTERNALS}},
 )
@@ -234,17 +218,17 @@ FAMILIES["BLOOM"] = VLLMFamily(
     embed_tokens="transformer.word_embeddings",
     ln_final="transformer.ln_f", attention="self_attention",
     values={
-        "layer_input": Place("", "input", arg=1),  # layer(position_ids, hidden_states)
-        "attention_norm_output": Place("input_layernorm", "output"),
-        "attention_premix": Place("self_attention.dense", "input", heads=True),
-        "attention_output": Place("self_attention", "output"),
-        "layer_mid": Place("post_attention_layernorm", "input", shared=True),
-        "mlp_norm_output": Place("post_attention_layernorm", "output"),
-        "mlp_input": Place("mlp", "input"),
-        "mlp_activation": Place("mlp.dense_4h_to_h", "input"),  # the activation module is shared between blocks
-        "mlp_neurons": Place("mlp.dense_4h_to_h", "input"),
-        "mlp_output": Place("mlp", "output"),
-        "layer_output": Place("", "output"),
+        "layer_input": At("", "input", arg=1),  # layer(position_ids, hidden_states)
+        "attention_norm_output": At("input_layernorm", "output"),
+        "attention_premix": At("self_attention.dense", "input", heads=True),
+        "attention_output": At("self_attention", "output"),
+        "layer_mid": At("post_attention_layernorm", "input", shared=True),
+        "mlp_norm_output": At("post_attention_layernorm", "output"),
+        "mlp_input": At("mlp", "input"),
+        "mlp_activation": At("mlp.dense_4h_to_h", "input"),  # the activation module is shared between blocks
+        "mlp_neurons": At("mlp.dense_4h_to_h", "input"),
+        "mlp_output": At("mlp", "output"),
+        "layer_output": At("", "output"),
     },
     unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
 )

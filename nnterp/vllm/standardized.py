@@ -28,7 +28,7 @@ from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
 from . import tools
-from .places import FUSED, Place, VLLMFamily, served_family
+from .places import FUSED, FusedStream, Place, VLLMFamily, served_family
 from .stream import StreamAt, check_streams, read_stream
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
@@ -41,7 +41,7 @@ ONE_PROMPT = ("vLLM runs one request per invoke: give each prompt its own `with 
 
 
 class CopyAt:
-    """Host of the copy's eproperty: a tensor the block changes in place after it is read (``Place.copy``)."""
+    """Host of the copy's eproperty: a tensor the block changes in place after it is read (``At.copy``)."""
 
     def __init__(self, path: str, place: Place):
         self.path, self.place = path, place
@@ -67,19 +67,16 @@ def _location(envoy, place: Place) -> str:
 
 
 def _tensor_of(place: Place, raw) -> torch.Tensor:
-    if place.side == "input":
-        args, kwargs = raw
-        return args[place.arg] if len(args) > place.arg else kwargs["hidden_states"]
-    if place.read == "first" and isinstance(raw, (tuple, list)):
-        return raw[0]
-    return raw
+    return place.element(raw)  # the At's own reading of an output (its element where a tuple) or input
 
 
 def _viewed(envoy, place: Place, tensor: torch.Tensor) -> torch.Tensor:
-    if place.heads:
-        heads = envoy._nnterp_heads
-        return tensor.view(1, tensor.shape[0], heads, tensor.shape[-1] // heads)
-    return tensor.unsqueeze(0)
+    """The flat slab of this invoke as ``[1, tokens, ...]`` (the backend's step), then through the location's views
+    (per head: the core's ``Heads``), views of the same storage."""
+    value = tensor.unsqueeze(0)
+    for view in place.views:
+        value = view.view(value, envoy, envoy._nnterp_heads)
+    return value
 
 
 def _place_of(envoy, name: str) -> Place:
@@ -108,7 +105,7 @@ def read_value(envoy, name: str) -> torch.Tensor:
     location = _location(envoy, place)
     mediator = Mediator.current(location)
     check_streams(mediator)
-    if place.read == "sum":
+    if isinstance(place, FusedStream):
         return read_stream(envoy, place, name, location, mediator)
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
@@ -121,8 +118,9 @@ def write_value(envoy, name: str, value) -> None:
     location = _location(envoy, place)
     check_streams(Mediator.current(location))
     raw = Mediator.value(location)
-    stream = StreamAt("", place.side, place.parts)
-    if place.read == "sum":
+    fused = isinstance(place, FusedStream)
+    stream = StreamAt("", place.side, place.parts) if fused else None
+    if fused:
         first, second = stream.halves(raw)
         current = first
     else:
@@ -138,7 +136,7 @@ def write_value(envoy, name: str, value) -> None:
         raise BadAssignment(f"'{key}' is {current.dtype} on {current.device}; the assigned tensor is {value.dtype} "
                             f"on {value.device}: convert it first (value.to(...)).")
     flat = value.reshape(current.shape)
-    if place.read == "sum":
+    if fused:
         Mediator.swap(location, stream.with_stream(raw, flat))
     elif place.shared:
         current.copy_(flat)
@@ -147,9 +145,9 @@ def write_value(envoy, name: str, value) -> None:
         if len(args) > place.arg:
             Mediator.swap(location, ((*args[: place.arg], flat, *args[place.arg + 1:]), kwargs))
         else:
-            Mediator.swap(location, (args, {**kwargs, "hidden_states": flat}))
+            Mediator.swap(location, (args, {**kwargs, place.kwarg: flat}))
     elif isinstance(raw, (tuple, list)):
-        Mediator.swap(location, (flat, *raw[1:]))
+        Mediator.swap(location, (*raw[:place.index], flat, *raw[place.index + 1:]))
     else:
         Mediator.swap(location, flat)
 
@@ -467,7 +465,8 @@ class StandardizedVLLM(VLLM):
         place = self.vllm_family.values.get(name)
         if place is None or place.copy or place.shared or place.heads or vector.numel() != self.hidden_size:
             return None
-        element = place.parts[0] if place.read == "sum" else place.arg if place.side == "input" else 0
+        element = (place.parts[0] if isinstance(place, FusedStream) else place.arg if place.side == "input" else
+                   place.index)
         vector = vector.detach().reshape(self.hidden_size).cpu()
         return [(f"{self.vllm_family.layers}.{layer}" + (f".{place.path}" if place.path else ""), place.side,
                  element, vector) for layer in layers]

@@ -1,6 +1,7 @@
 """The vLLM placements (nnterp/vllm/places.py) against the family specs, without vLLM: each placed family is an
 nnterp family, each value it places is one the family's transformers spec has (the same meaning exists), and each
-value the spec has is placed on vLLM or says why not."""
+value the spec has is placed on vLLM or says why not; the places are the core's locations (``At``), read through
+the same views as the spec's (per head where the spec's is), but for the fused stream."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 
 from nnterp.families import FAMILIES as SPECS
 from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
-from nnterp.spec.locations import Unavailable
-from nnterp.vllm.places import FAMILIES, FUSED, family_for
+from nnterp.spec.locations import At, Unavailable
+from nnterp.vllm.places import FAMILIES, FUSED, FusedStream, family_for
 
 BY_NAME = {spec.name: spec for spec in SPECS}
 # the block's values (the attention internals are the attention's own: vLLM's kernel never has them, below)
@@ -32,11 +33,19 @@ def test_a_placement_agrees_with_its_family_spec(name):
     assert placed.classes, f"{name} names no vLLM model class its places describe"
     block = spec.block(spec.tiny_config(), 0)
     for value in NAMES:
-        on_transformers = not isinstance(block.resolve(value), Unavailable)
+        location = block.resolve(value)
+        on_transformers = not isinstance(location, Unavailable)
         if value in placed.values:
             assert on_transformers, f"{name}: {value} placed on vLLM, but the family has no such value"
+            place = placed.values[value]
+            assert isinstance(place, (At, FusedStream)), f"{name}: {value} is placed as {place!r}, no core location"
+            if isinstance(place, At) and isinstance(location, At):  # the value's layout is the spec's
+                assert place.heads == location.heads, f"{name}: {value} per head on one engine only"
+                assert not place.op, f"{name}: {value} at an operation: vLLM's blocks are read at module boundaries"
         elif on_transformers:
             assert placed.unavailable.get(value), f"{name}: {value} neither placed on vLLM nor said unavailable"
     assert all(placed.unavailable.get(value) for value in ATTENTION_INTERNALS)
     if placed.shape == FUSED:  # the stream is two tensors between blocks: read as their sum
-        assert all(placed.values[v].read == "sum" for v in ("layer_input", "layer_mid", "layer_output"))
+        assert all(isinstance(placed.values[v], FusedStream) for v in ("layer_input", "layer_mid", "layer_output"))
+    else:  # a plain block passes the stream as one tensor: no value is a sum
+        assert not any(isinstance(place, FusedStream) for place in placed.values.values())
