@@ -26,6 +26,8 @@ os.environ.setdefault("NNSIGHT_VLLM_CLONE_READS", "1")  # vLLM's CUDA fused add-
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+
 # the transformers modules of a Llama block each value is read at: (path, side)
 HOOKS = {"attention_output": ("self_attn", "output"), "layer_mid": ("post_attention_layernorm", "input"),
          "mlp_output": ("mlp", "output"), "layer_output": ("", "output")}
@@ -109,6 +111,40 @@ def agreeing(a: list[int], b: list[int]) -> int:
     return count
 
 
+def batch_ratios(model, vector, steps: int, counts=(1, 8, 32, 128)) -> None:
+    """Steered generation of many prompts (64 tokens each, ``steps`` greedy tokens, the vector at two blocks every
+    step), tokens/s and ratios in time: the engine's own generate, raw nnsight (one invoke per prompt, the native
+    output edited in place), and ``model.steered_generate`` (benchmarks/vllm_batch.py's measure, on CUDA)."""
+    from vllm import SamplingParams
+    from vllm_batch import interleaved
+
+    generator = torch.Generator().manual_seed(2)
+    print(f"  many prompts, {steps} greedy tokens each, a vector at 2 blocks every step (median of 3, interleaved):")
+    for count in counts:
+        ids = [torch.randint(100, 30000, (64,), generator=generator).tolist() for _ in range(count)]
+
+        def engine(ids=ids):
+            model.vllm_entrypoint.generate([{"prompt_token_ids": row} for row in ids],
+                                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
+                                           use_tqdm=False)
+
+        def raw_nnsight(ids=ids):
+            with torch.no_grad(), model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+                for row in ids:
+                    with tracer.invoke(row):
+                        for _step in tracer.iter[0:steps]:
+                            for layer in (2, 5):
+                                model.layers[layer].output[0][:] += vector
+
+        def standardized(ids=ids):
+            model.steered_generate(ids, [2, 5], vector, max_new_tokens=steps)
+
+        a, b, c = interleaved({"engine": engine, "raw": raw_nnsight, "nnterp": standardized}, 3).values()
+        print(f"    {count:>4} prompts: engine {count * steps / a:9.1f} tokens/s, raw nnsight {count * steps / b:9.1f}, "
+              f"nnterp {count * steps / c:9.1f}: nnterp x {c / b:.2f} raw nnsight's time, x {c / a:.2f} the engine's")
+        sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -190,6 +226,7 @@ def main() -> None:
         failures.append("the steering changed no token, so the steered comparison proves nothing")
     for label, seconds in timings.items():
         print(f"  {label:<52} {seconds:8.2f} s")
+    batch_ratios(model, vector, steps)
     print("FAILED: " + "; ".join(failures) if failures else "OK")
     sys.stdout.flush()
     os._exit(1 if failures else 0)  # the in-process engine's threads would hold the exit

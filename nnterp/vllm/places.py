@@ -38,6 +38,7 @@ class FusedStream:
     side: str  # "input" | "output"
     parts: tuple[int, int] = (0, 1)
     copy = shared = heads = False  # as an ``At`` says them: the stream is a new tensor, handed back as a whole
+    views = ()  # read as [1, tokens, width], the stream's own layout
 
     def describe(self) -> str:
         where = (self.path or "<block>") + "." + self.side
@@ -60,7 +61,7 @@ class VLLMFamily:
 
     name: str
     shape: str  # FUSED | PLAIN
-    values: dict[str, Place]
+    values: dict[str, Place]  # in forward order: the order run_with_cache and collect read them in
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
     ln_final: str = "model.norm"
@@ -155,9 +156,9 @@ FAMILIES["GPT-J"] = VLLMFamily(
     values={
         "layer_input": At("", "input", arg=1),  # layer(position_ids, hidden_states)
         "attention_norm_output": At("ln_1", "output"),
+        "mlp_norm_output": At("ln_1", "output"),  # one norm feeds both sublayers
         "attention_premix": At("attn.out_proj", "input", heads=True),
         "attention_output": At("attn", "output"),
-        "mlp_norm_output": At("ln_1", "output"),  # one norm feeds both sublayers
         "mlp_input": At("mlp", "input"),
         "mlp_activation": At("mlp.fc_out", "input"),
         "mlp_neurons": At("mlp.fc_out", "input"),
