@@ -237,10 +237,11 @@ class StandardizedVLLM(VLLM):
     ``model.logits`` is ``[1, 1, vocab]``: vLLM computes the logits at the last position only (the one it samples).
     ``model.project_on_vocab(h)`` reads any stream out at every position (the final norm and the head, as pure
     tensor steps). ``model.steered_generate(prompts, layers, vector)`` adds a vector at every step of a greedy
-    generation of one prompt or a list (each its own request); ``nnterp.steered_generate`` and
-    ``nnterp.logit_lens`` run on the engine the same way, and ``nnterp.add_to`` works inside a trace. The tools that
-    batch prompts in one invoke, read the logits at every position or need gradients are refused at their entry,
-    saying what to do instead (``REFUSED_TOOLS``; ``RUNNING_TOOLS`` are those that run).
+    generation of one prompt or a list (each its own request); ``nnterp.steered_generate``, ``nnterp.logit_lens``,
+    ``nnterp.run_with_cache`` (also ``model.run_with_cache``) and ``nnterp.collect`` run on the engine the same way
+    (``nnterp.vllm.tools``), and ``nnterp.add_to`` works inside a trace. The tools that batch prompts in one invoke,
+    read the logits at every position or need gradients are refused at their entry, saying what to do instead
+    (``REFUSED_TOOLS``; ``RUNNING_TOOLS`` are those that run).
 
     What differs from transformers: the stream of a fused family (Llama's shape) is computed by the read (the sum
     of the block's two parts) and handed on as ``(0, stream)`` at the trace's next read: exact in float32; in
@@ -432,7 +433,10 @@ class StandardizedVLLM(VLLM):
         count from the end) at every position of every step (the prompt's pass, then each generated token's),
         greedily unless ``sampling`` says otherwise (vLLM's ``SamplingParams``: ``temperature``, ``top_p``, ...).
         Exactly ``max_new_tokens`` tokens are generated (``ignore_eos``). ``prompts`` is one prompt, or a list of
-        them: each is its own request (its own invoke) in one trace, which vLLM batches. Returns the token ids
+        them: each is its own request, which vLLM batches, salted out of the prefix cache. Where the value is a
+        module's own output or input (``layer_output``, ``mlp_output``, ...), the vector is added to the step's whole
+        slab once per block by a hook the workers hold for this call (``nnterp_steer``: vLLM's own generate, at the
+        engine's speed); other values are steered in a trace, one invoke per prompt. Returns the token ids
         ``[prompts, longest prompt + new]``, shorter prompts padded on the left with the tokenizer's pad token,
         as ``nnterp.steered_generate`` returns them from transformers' generate of a left-padded batch."""
         batch = tools.prompt_list(prompts)

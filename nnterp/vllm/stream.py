@@ -27,6 +27,7 @@ class StreamAt:
         self.reuse = reuse  # (mediator, occurrence, tensor): the previous block's output read, if any
         self.reused = False
         self.handed = None
+        self.read = None  # (the stream tensor as read, its version then): unedited, it is handed back as it came
         self.label = ""  # the value's name, for the refusal
 
     def halves(self, raw) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -101,13 +102,17 @@ def _stream_view(host: StreamAt, raw) -> torch.Tensor:
     first, second = host.halves(raw)
     # a tensor of its own, made outside vLLM's inference mode so that it counts its in-place edits (``handed``)
     with torch.inference_mode(False):
-        return _stream_tensor((first.clone() if second is None else first + second).unsqueeze(0), host)
+        stream = _stream_tensor((first.clone() if second is None else first + second).unsqueeze(0), host)
+    host.read = (stream, stream._version)
+    return stream
 
 
 def _stream_back(host: StreamAt, view: torch.Tensor, raw):
     with torch._C.DisableTorchFunctionSubclass():
         plain = torch.Tensor.as_subclass(view, torch.Tensor)
     host.handed = plain._version  # spliced into the slab now: a later in-place edit would not reach the model
+    if host.read is not None and view is host.read[0] and plain._version == host.read[1]:
+        return raw  # unedited: the model's own halves, which its next add sums to this very stream
     return host.with_stream(raw, plain.squeeze(0))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from nnsight.modeling.vllm.batching import VLLMBatcher
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -37,6 +38,28 @@ def _steer_input(element: int, vector: torch.Tensor, module, args, kwargs):
     if len(args) > element:
         return (*args[:element], _added(element, vector, args[element]), *args[element + 1:]), kwargs
     return args, {**kwargs, "hidden_states": _added(element, vector, kwargs["hidden_states"])}
+
+
+class SpanBatcher(VLLMBatcher):
+    """nnsight's batcher over vLLM's flat slab, but a request's value handed back as the very view of the slab it
+    was served (edited in place, or not at all) is left where it is: nnsight splices a swapped value back by
+    concatenating the whole step's slab around it, once per request and swap, which grows with the square of the
+    requests in a step (a trace's standard stream read hands its stream back at every read)."""
+
+    def _widen_tensor(self, full: torch.Tensor, group: list, edited: torch.Tensor) -> torch.Tensor:
+        dim = self._token_dim(full)
+        if dim is not None and isinstance(edited, torch.Tensor):
+            span = full.narrow(dim, *group)
+            if edited.data_ptr() == span.data_ptr() and edited.shape == span.shape and \
+                    edited.stride() == span.stride():
+                return full  # the concatenation would give `full` itself
+        return super()._widen_tensor(full, group, edited)
+
+
+def _span_batcher(runner) -> None:
+    interleaver = runner.nnsight_model.interleaver
+    if type(interleaver.batcher) is VLLMBatcher:  # the class nnsight's runner made it with (no state of its own)
+        interleaver.batcher.__class__ = SpanBatcher
 
 
 class SteeringRPC:
@@ -66,7 +89,11 @@ class SteeringRPC:
 
 
 class NNsightSteeringWorker(SteeringRPC, NNsightGPUWorker):
-    """nnsight's worker (CUDA), with nnterp's steering RPCs."""
+    """nnsight's worker (CUDA), with nnterp's steering RPCs and its batcher's splice of unchanged views skipped."""
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        _span_batcher(self.model_runner)
 
 
 class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
@@ -84,6 +111,10 @@ class NNsightCPUWorker(SteeringRPC, NNsightGPUWorker, CPUWorker):
                 f"nnterp instruments vLLM's CPUModelRunner, but this worker built {type(runner).__module__}."
                 f"{type(runner).__name__} (the V2 runner?). Unset VLLM_USE_V2_MODEL_RUNNER to trace.")
         runner.__class__ = NNsightCPUModelRunner
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        _span_batcher(self.model_runner)
 
 
 WORKER = f"{__name__}.{NNsightCPUWorker.__qualname__}"
