@@ -19,6 +19,7 @@ location's views.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..families.base import PARALLEL_NO_MID, ROUTED
@@ -46,8 +47,23 @@ class FusedStream:
         return f"{where} {kind}s {list(self.parts)} added (the fused stream: written back as (0, stream))"
 
 
-Place = At | FusedStream  # where a value is read in vLLM's code
+@dataclass(frozen=True)
+class FromKernel:
+    """A value vLLM's attention kernel computes and never materializes (the scores, the probabilities): recomputed
+    from the queries and keys entering the kernel's module ``path`` (``Attention(q, k, v)``), with the kernel's own
+    scale, softcap, sliding window, ALiBi slopes and causal mask (``nnterp.vllm.attention``). Read-only."""
 
+    path: str
+    side = "input"  # read at the kernel's input
+    copy = shared = heads = False
+    views = ()
+
+    def describe(self) -> str:
+        return (f"recomputed from {self.path}.input (the queries and keys entering vLLM's attention kernel) with "
+                "its scale, softcap, sliding window, ALiBi and causal mask: read-only, on the prompt's pass")
+
+
+Place = At | FusedStream | FromKernel  # where a value is read in vLLM's code
 
 _INTERNALS = ("vLLM computes the attention in its paged-attention kernel (queries, keys and values leave qkv_proj "
               "fused, are rotated inside the attention's forward and go to the KV cache): there is no module "
@@ -298,3 +314,24 @@ def served_family(config, model_impl: str = "auto") -> VLLMFamily:
             + f", not the code the {family.name} places describe ({', '.join(family.classes)}; "
             "nnterp/vllm/places.py). Use StandardizedTransformer for it.")
     return family
+
+
+def _with_kernel(family: VLLMFamily) -> VLLMFamily:
+    """The attention's values at the kernel's module (``<attention>.attn``: vLLM's ``Attention``, called as
+    ``attn(q, k, v)`` with the queries and keys rotated): the queries, keys and values entering it, per head
+    (keys and values per key-value head), and the scores and probabilities recomputed from them; in forward order,
+    before the heads' mixed output."""
+    kernel = f"{family.attention}.attn"
+    internals = {"queries": At(kernel, "input", arg=0, heads=True), "keys": At(kernel, "input", arg=1, heads=True),
+                 "values": At(kernel, "input", arg=2, heads=True), "attention_scores": FromKernel(kernel),
+                 "attention_probabilities": FromKernel(kernel)}
+    values = {}
+    for name, place in family.values.items():
+        if name == "attention_premix":
+            values.update(internals)
+        values[name] = place
+    unavailable = {name: reason for name, reason in family.unavailable.items() if name not in internals}
+    return dataclasses.replace(family, values=values, unavailable=unavailable)
+
+
+FAMILIES = {name: _with_kernel(family) for name, family in FAMILIES.items()}

@@ -28,7 +28,8 @@ from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
 from . import tools
-from .places import FUSED, FusedStream, Place, VLLMFamily, served_family
+from .attention import kernel_facts, recomputed, refuse_write
+from .places import FUSED, FromKernel, FusedStream, Place, VLLMFamily, served_family
 from .stream import StreamAt, check_streams, read_stream
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
@@ -70,13 +71,17 @@ def _tensor_of(place: Place, raw) -> torch.Tensor:
     return place.element(raw)  # the At's own reading of an output (its element where a tuple) or input
 
 
-def _viewed(envoy, place: Place, tensor: torch.Tensor) -> torch.Tensor:
+def _viewed(envoy, place: Place, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
     """The flat slab of this invoke as ``[1, tokens, ...]`` (the backend's step), then through the location's views
-    (per head: the core's ``Heads``), views of the same storage."""
+    (per head: the core's ``Heads``; the keys and values per key-value head), views of the same storage."""
     value = tensor.unsqueeze(0)
+    heads = envoy._nnterp_kernel["kv_heads"] if name in KV else envoy._nnterp_heads
     for view in place.views:
-        value = view.view(value, envoy, envoy._nnterp_heads)
+        value = view.view(value, envoy, heads)
     return value
+
+
+KV = ("keys", "values")  # per key-value head (fewer than the query heads with grouped-query attention)
 
 
 def _place_of(envoy, name: str) -> Place:
@@ -107,14 +112,18 @@ def read_value(envoy, name: str) -> torch.Tensor:
     check_streams(mediator)
     if isinstance(place, FusedStream):
         return read_stream(envoy, place, name, location, mediator)
+    if isinstance(place, FromKernel):
+        return recomputed(envoy, place, name)
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
-    return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)))
+    return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)), name)
 
 
 def write_value(envoy, name: str, value) -> None:
     """Inside a trace: replace the value ``name`` (``[1, tokens, ...]``, the shape it is read with)."""
     place = _place_of(envoy, name)
+    if isinstance(place, FromKernel):
+        refuse_write(value_named(name).key)
     location = _location(envoy, place)
     check_streams(Mediator.current(location))
     raw = Mediator.value(location)
@@ -125,7 +134,7 @@ def write_value(envoy, name: str, value) -> None:
         current = first
     else:
         current = _tensor_of(place, raw)
-    expected = tuple(_viewed(envoy, place, current).shape)
+    expected = tuple(_viewed(envoy, place, current, name).shape)
     key = value_named(name).key
     if not isinstance(value, torch.Tensor):
         raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
@@ -292,12 +301,15 @@ class StandardizedVLLM(VLLM):
         self._nnterp_vllm_family = family
         self._nnterp_config = config
         self._nnterp_checkpoint, self._nnterp_dtype = str(model), dtype
+        kernels = [kernel_facts(self._module.get_submodule(f"{family.layers}.{layer}.{family.attention}.attn"))
+                   for layer in range(len(self.layers))]
         for layer, block in enumerate(self.layers):
             for envoy in {block, getattr(block, family.attention), block.mlp}:
                 envoy._nnterp_layer = layer
                 envoy._nnterp_family = family
                 envoy._nnterp_block_path = block.path
                 envoy._nnterp_heads = config.num_attention_heads
+                envoy._nnterp_kernel = kernels[layer]
                 envoy._nnterp_last = layer == self.num_layers - 1
 
     def _load_meta(self, *args: Any, **kwargs: Any):
@@ -467,6 +479,9 @@ class StandardizedVLLM(VLLM):
         stream: to the first of its two parts, which the next fused add sums); None where it is not (a copy, a
         shared tensor, a per-head view: those go through the standard read in a trace)."""
         place = self.vllm_family.values.get(name)
+        if isinstance(place, FromKernel):
+            raise ValueError(f"steered_generate adds to a value the model computes; {name} is recomputed on vLLM "
+                             "from the queries and keys (its kernel never materializes it): steer those instead.")
         if place is None or place.copy or place.shared or place.heads or vector.numel() != self.hidden_size:
             return None
         element = (place.parts[0] if isinstance(place, FusedStream) else place.arg if place.side == "input" else

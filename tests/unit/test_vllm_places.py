@@ -12,10 +12,10 @@ import pytest
 from nnterp.families import FAMILIES as SPECS
 from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
 from nnterp.spec.locations import At, Unavailable
-from nnterp.vllm.places import FAMILIES, FUSED, FusedStream, family_for
+from nnterp.vllm.places import FAMILIES, FUSED, FromKernel, FusedStream, family_for
 
 BY_NAME = {spec.name: spec for spec in SPECS}
-# the block's values (the attention internals are the attention's own: vLLM's kernel never has them, below)
+# the block's values (the attention internals are the attention's own: placed at vLLM's kernel, below)
 NAMES = [value.name for value in CATALOG if value.owner in ("block", "self_attn", "mlp")
          and value.name not in ("mixer_output", *ATTENTION_INTERNALS)]
 
@@ -44,7 +44,12 @@ def test_a_placement_agrees_with_its_family_spec(name):
                 assert not place.op, f"{name}: {value} at an operation: vLLM's blocks are read at module boundaries"
         elif on_transformers:
             assert placed.unavailable.get(value), f"{name}: {value} neither placed on vLLM nor said unavailable"
-    assert all(placed.unavailable.get(value) for value in ATTENTION_INTERNALS)
+    # the attention's internals at the kernel's inputs (vLLM's Attention(q, k, v)), the scores and probabilities
+    # recomputed from them
+    kernel = f"{placed.attention}.attn"
+    assert [placed.values[v] for v in ("queries", "keys", "values")] == [
+        At(kernel, "input", arg=i, heads=True) for i in range(3)]
+    assert all(placed.values[v] == FromKernel(kernel) for v in ("attention_scores", "attention_probabilities"))
     if placed.shape == FUSED:  # the stream is two tensors between blocks: read as their sum
         assert all(isinstance(placed.values[v], FusedStream) for v in ("layer_input", "layer_mid", "layer_output"))
     else:  # a plain block passes the stream as one tensor: no value is a sum

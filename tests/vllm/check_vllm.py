@@ -403,6 +403,56 @@ def main(family: str) -> dict:
     except Exception as error:  # noqa: BLE001 - reported to the test
         result["patching_by_hand"] = f"{type(error).__name__}: {error}"
 
+    # the attention's internals: the queries, keys and values entering vLLM's kernel and the scores and
+    # probabilities recomputed from them, against transformers' eager attention (its probabilities, output_attentions)
+    # and nnterp's transformers values; and the kernel's own output (attention_premix) against the recomputed
+    # probabilities mixing the values, head by head
+    internals = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
+    try:
+        with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            got = nnsight.save({(i, name): getattr(model.layers[i].self_attn, name).clone()
+                                for i in layers for name in (*internals, "attention_premix")})
+        import nnterp
+
+        on_hf = nnterp.StandardizedTransformer(folder, attention_values=True, attn_implementation="eager")
+        with torch.no_grad(), on_hf.trace(torch.tensor([PROMPT])):
+            want = nnsight.save({(i, name): getattr(on_hf.layers[i].self_attn, name).clone()
+                                 for i in layers for name in internals})
+        with torch.no_grad():
+            eager = hf.to(torch.float32)
+            eager.set_attn_implementation("eager")
+            patterns = eager(torch.tensor([PROMPT]), output_attentions=True).attentions
+        diffs = {}
+        for (i, name), value in want.items():
+            mine = got[(i, name)]
+            if name == "attention_scores":  # the masked entries: the dtype's minimum on both sides
+                mine, value = mine.clamp(min=-1e30), value.clamp(min=-1e30)
+            diffs[f"{i}.{name}"] = [list(mine.shape), list(value.shape),
+                                    float((mine - value).abs().max()) / max(1.0, float(value.abs().max()))]
+        mixed = {}
+        for i in layers:
+            probs, values = got[(i, "attention_probabilities")][0], got[(i, "values")][0]  # [h, t, t], [t, kv, d]
+            values = values.repeat_interleave(probs.shape[0] // values.shape[1], dim=1).transpose(0, 1)
+            mixed[i] = float(((probs @ values).transpose(0, 1) - got[(i, "attention_premix")][0]).abs().max())
+        result["internals"] = {"diffs": diffs, "mixed": mixed, "patterns": max(
+            float((got[(i, "attention_probabilities")] - patterns[i]).abs().max()) for i in layers)}
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["internals"] = f"{type(error).__name__}: {error}"
+    # a generated token's step has no scores to recompute (its keys are in the paged cache); assigning is refused
+    refusals = {}
+    for label, body in (("step", "generated"), ("assign", "assign")):
+        try:
+            with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+                for step in tracer.iter[0:2]:
+                    if body == "assign":
+                        model.layers[0].self_attn.attention_scores = torch.zeros(1)
+                    elif step == 1:
+                        model.layers[0].self_attn.attention_probabilities.save()
+            refusals[label] = None
+        except Exception as error:  # noqa: BLE001 - reported to the test, which checks the message
+            refusals[label] = f"{type(error).__name__}: {error}"
+    result["internal_refusals"] = refusals
+
     # run_with_cache and collect over two prompts of different lengths (each its own request): every cached value
     # against the plain hooks' value at the prompt's own positions, the logits at every position against
     # transformers'; collect's rows (every token, two blocks) against the same hooks

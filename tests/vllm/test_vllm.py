@@ -137,6 +137,26 @@ def test_patching_by_hand_across_two_traces_is_the_hooked_patch(measured):
     assert patched["moved"] > 1e-3 and patched["diff"] < 1e-4, patched
 
 
+def test_the_attention_internals_equal_transformers_eager_attention(measured):
+    """The queries, keys and values entering vLLM's kernel, and the scores and probabilities recomputed from them,
+    against nnterp's transformers values and transformers' own eager pattern (output_attentions); the recomputed
+    probabilities mixing the values give the kernel's own output, head by head."""
+    internals = measured["internals"]
+    assert isinstance(internals, dict), internals
+    assert len(internals["diffs"]) == 5 * measured["num_layers"]
+    for key, (mine, theirs, diff) in internals["diffs"].items():
+        assert mine == theirs, (key, mine, theirs)
+        assert diff < FLOAT32, (key, diff)
+    assert all(diff < FLOAT32 * 10 for diff in internals["mixed"].values()), internals["mixed"]
+    assert internals["patterns"] < FLOAT32, internals["patterns"]
+
+
+def test_recomputed_values_are_read_only_and_of_the_prompts_pass(measured):
+    refusals = measured["internal_refusals"]
+    assert refusals["step"] is not None and "NotAtThisStep" in refusals["step"] and "paged KV cache" in refusals["step"]
+    assert refusals["assign"] is not None and "BadAssignment" in refusals["assign"] and "recomputed" in refusals["assign"]
+
+
 def test_run_with_cache_holds_every_value_of_each_prompt_as_the_hooks_do(measured):
     cached = measured["run_with_cache"]
     assert isinstance(cached, dict), cached
