@@ -24,6 +24,10 @@ def kernel_facts(kernel: torch.nn.Module) -> dict:
     that travel with the trace: heads, key-value heads, head sizes, scale, softcap, sliding window, ALiBi slopes."""
     impl = getattr(kernel, "impl", None)
     slopes = getattr(impl, "alibi_slopes", None)
+    if slopes is not None and slopes.is_meta:  # the client's tree is built on the meta device: BLOOM's own slopes
+        from vllm.model_executor.models.bloom import _get_alibi_slopes
+
+        slopes = _get_alibi_slopes(kernel.num_heads)
     softcap = getattr(impl, "logits_soft_cap", None)
     return {"heads": kernel.num_heads, "kv_heads": kernel.num_kv_heads, "head_dim": kernel.head_size,
             "value_dim": getattr(kernel, "head_size_v", kernel.head_size), "scale": float(impl.scale),

@@ -415,12 +415,14 @@ def main(family: str) -> dict:
         import nnterp
 
         on_hf = nnterp.StandardizedTransformer(folder, attention_values=True, attn_implementation="eager")
+        eager = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+        if family == "bloom":  # vLLM's exact GELU, as above
+            for block in [*blocks_of(eager), *blocks_of(on_hf._module)]:
+                block.mlp.gelu_impl = torch.nn.GELU()
         with torch.no_grad(), on_hf.trace(torch.tensor([PROMPT])):
             want = nnsight.save({(i, name): getattr(on_hf.layers[i].self_attn, name).clone()
                                  for i in layers for name in internals})
         with torch.no_grad():
-            eager = hf.to(torch.float32)
-            eager.set_attn_implementation("eager")
             patterns = eager(torch.tensor([PROMPT]), output_attentions=True).attentions
         diffs = {}
         for (i, name), value in want.items():
