@@ -153,12 +153,20 @@ def read_prompts(model, batch: list, names: list[str], layers: list[int], select
     return row if isinstance(row, list) else [row]  # one saved value per invoke
 
 
-def _padded(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
-    width = max(tensor.shape[0] for tensor in tensors)
+PATTERNS = ("attention_scores", "attention_probabilities")  # [heads, queries, keys]: padded along both
+
+
+def _padded(tensors: list[torch.Tensor], left: bool, dims: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """The prompts' tensors stacked as one padded batch: zeros before (``left``) or after each along ``dims``."""
+    width = max(tensor.shape[dims[0]] for tensor in tensors)
     rows = []
     for tensor in tensors:
-        pad = tensor.new_zeros((width - tensor.shape[0], *tensor.shape[1:]))
-        rows.append(torch.cat([pad, tensor] if left else [tensor, pad]))
+        for dim in dims:
+            shape = list(tensor.shape)
+            shape[dim] = width - tensor.shape[dim]
+            pad = tensor.new_zeros(shape)
+            tensor = torch.cat([pad, tensor] if left else [tensor, pad], dim=dim)
+        rows.append(tensor)
     return torch.stack(rows)
 
 
@@ -192,7 +200,8 @@ def run_with_cache(model, prompts, names=None, layers=None, remote: bool | str =
     lengths = [len(row["ids"]) for row in rows]
     mask = _padded([torch.ones(length, dtype=torch.long) for length in lengths], left)
     ids[mask == 0] = pad
-    values = {key: _padded([row["values"][key] for row in rows], left) for key in rows[0]["values"]}
+    values = {key: _padded([row["values"][key] for row in rows], left, (1, 2) if key[0] in PATTERNS else (0,))
+              for key in rows[0]["values"]}
     missing = {(name, layer): error for name, error in unavailable.items() for layer in blocks}
     cache = ActivationCache(values, order, layer_indices(model, layers), missing, model.num_layers, ids, mask, model,
                             batch_removed=remove_batch_dim)
@@ -208,6 +217,10 @@ def collect_reader(model, features, max_new_tokens, steering, remote):
                      f"it collects the standard values of a forward pass, {ONE_REQUEST_EACH}")
 
     def read_batch(batch, names, layers, positions, dtype, *_unused):
+        patterns = sorted(set(names) & set(PATTERNS))
+        if patterns:
+            raise ValueError(f"collect gathers values token by token; {', '.join(patterns)} are [heads, queries, "
+                             "keys] per prompt: read them with run_with_cache.")
         from ..collection.runner import _selection
 
         inputs = model.tokenizer(batch, return_tensors="pt", padding=True)  # as on transformers: the same rows

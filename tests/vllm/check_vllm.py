@@ -472,14 +472,21 @@ def main(family: str) -> dict:
         diffs, worst = {}, 0.0
         for name in available:
             for layer in layers:
-                got = cache[name, layer]
+                cached = cache[name, layer]
                 for row in range(len(prompts)):
-                    want = truth[row][(layer, name)].reshape(got[row][mask[row]].shape)
-                    diff = float((got[row][mask[row]] - want).abs().max()) / max(1.0, float(want.abs().max()))
+                    want = truth[row][(layer, name)].reshape(cached[row][mask[row]].shape)
+                    diff = float((cached[row][mask[row]] - want).abs().max()) / max(1.0, float(want.abs().max()))
                     diffs[f"{layer}.{name}"] = max(diffs.get(f"{layer}.{name}", 0.0), diff)
         for row in range(len(prompts)):
             worst = max(worst, float((cache_logits[row][mask[row]] - every[row]).abs().max()))
-        result["run_with_cache"] = {"diffs": diffs, "logits": worst, "shape": list(cache_logits.shape),
+        if isinstance(result.get("internals"), dict):  # the internals, as one trace read them (prompt 0: unpadded)
+            internal = {f"{layer}.{name}": float((cache[name, layer][0] - got[(layer, name)][0]).abs().max())
+                        for layer in layers for name in internals}
+            internal["padded"] = list(cache["attention_probabilities", 0].shape)
+        else:
+            internal = None
+        result["run_with_cache"] = {"diffs": diffs, "internals": internal, "logits": worst,
+                                    "shape": list(cache_logits.shape),
                                     "ids": [cache.input_ids[row][mask[row]].tolist() for row in range(2)],
                                     "held": sorted(cache.names)}
     except Exception as error:  # noqa: BLE001 - reported to the test
@@ -530,12 +537,17 @@ def main(family: str) -> dict:
         result["batch_refusal"] = None
     except ValueError as error:
         result["batch_refusal"] = str(error)
-    try:
-        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
-            model.layers[0].self_attn.attention_probabilities.save()
-        result["unavailable"] = None
-    except Exception as error:  # noqa: BLE001 - reported to the test, which checks the type's name and message
-        result["unavailable"] = f"{type(error).__name__}: {error}"
+    lacking = [key for key, entry in model.availability(0).items() if not entry.available]
+    result["unavailable"] = None
+    if lacking:  # the first value the family has no place for, read in a trace
+        owner, _, name = lacking[0].rpartition(".")
+        try:
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+                getattr(getattr(model.layers[0], owner) if owner else model.layers[0], name).save()
+            result["unavailable"] = {"key": lacking[0], "error": None}
+        except Exception as error:  # noqa: BLE001 - reported to the test, which checks the type's name and message
+            result["unavailable"] = {"key": lacking[0], "error": f"{type(error).__name__}: {error}",
+                                     "reason": result["reasons"][lacking[0]]}
     return result
 
 
