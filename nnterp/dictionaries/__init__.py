@@ -38,7 +38,6 @@ from .sites import (  # noqa: F401
     DICTIONARY_LEARNING_NAMES,
     SITE_TABLE,
     SPARSIFY_SUBMODULES,
-    TL_CORRECTIONS,
     TL_REFUSED,
     TL_SITES,
     Site,

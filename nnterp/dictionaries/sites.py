@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import re
 
-from ..spec import catalog
-from ..spec.catalog import ATTENTION_INTERNALS, TRANSFORMERLENS_NAMES
+from ..spec.catalog import ATTENTION_INTERNALS, TRANSFORMERLENS_COMPUTED, TRANSFORMERLENS_NAMES, transformerlens_tail
 
 Site = tuple[int, str]
 
-# TransformerLens's hook names whose meaning is not the catalog's suggestion (TRANSFORMERLENS_NAMES maps a name to
-# the value a user most likely means): what the hook records, from TransformerLens's own blocks.
-TL_CORRECTIONS: dict[str, str] = {
-    # TransformerBlock: mlp_in = hook_mlp_in(resid_mid.clone()); normalized = ln2(mlp_in): the stream before ln2
-    "mlp_in": "layer_mid",
-}
-# ... and those no standard value holds on every family, with the reason (a dictionary's site can be given)
+# TransformerLens's hook names no standard value holds on every family, with the reason (a dictionary's site can be
+# given); the names themselves and what each records are the catalog's (TRANSFORMERLENS_NAMES, _COMPUTED)
 TL_REFUSED: dict[str, str] = {
     "ln1.hook_normalized": "TransformerLens records it before the norm's weight and bias (x / scale), where the "
                            "model's norm output (attention_norm_output) has them",
@@ -47,16 +41,10 @@ DICTIONARY_LEARNING_NAMES: dict[str, str] = {
 TL_SITES = ("resid_pre", "attn.hook_z", "attn_out", "resid_mid", "mlp_in", "mlp.hook_post", "mlp_out", "resid_post")
 
 
-def _tail(key: str) -> str:
-    """A key of the catalog's table as the tail of a block's hook name: ``resid_pre`` -> ``hook_resid_pre``."""
-    return key if "." in key or key.startswith("hook_") else f"hook_{key}"
-
-
 def _transformerlens_hooks() -> dict[str, str]:
     """``blocks.i.<tail>`` tail -> standard value, for the hooks a dictionary is placed at (``TL_SITES``), from the
-    catalog's table with the corrections above."""
-    return {_tail(key): TL_CORRECTIONS.get(key, standard) for key, standard in TRANSFORMERLENS_NAMES.items()
-            if key in TL_SITES}
+    catalog's table."""
+    return {transformerlens_tail(key): standard for key, standard in TRANSFORMERLENS_NAMES.items() if key in TL_SITES}
 
 
 def transformerlens_site(hook: str) -> tuple[Site | None, str | None]:
@@ -70,8 +58,8 @@ def transformerlens_site(hook: str) -> tuple[Site | None, str | None]:
         return None, f"{hook} has no standard value: {TL_REFUSED[tail]}"
     standard = _transformerlens_hooks().get(tail)
     if standard is None:
-        nearest = {_tail(key): value for key, value in TRANSFORMERLENS_NAMES.items()}.get(tail)
-        computed = getattr(catalog, "TRANSFORMERLENS_COMPUTED", {}).get(tail)
+        nearest = {transformerlens_tail(key): value for key, value in TRANSFORMERLENS_NAMES.items()}.get(tail)
+        computed = TRANSFORMERLENS_COMPUTED.get(tail)
         if nearest in ATTENTION_INTERNALS:
             return None, (f"{hook} is {nearest}, which nnterp reads inside the attention computation, where it "
                           "splices no dictionary")

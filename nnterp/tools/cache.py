@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .. import analysis
-from ..spec.catalog import BY_NAME
+from ..spec.catalog import BY_NAME, TRANSFORMERLENS_NAMES, transformerlens_spellings
 from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.locations import At
 from ..spec.selection import layer_ranges, value_name
@@ -297,8 +297,7 @@ class ActivationCache(CacheMethods):
 READOUT = ("ln_final_input", "ln_final_output", "ln_final_scale")
 ROUTING = analysis.ROUTING  # a plain tuple: the trace's code ships it, not the analysis module
 # TransformerLens's names of a cache's entries that are standard values under other names
-ALIASES = {"pattern": "attention_probabilities", "hook_pattern": "attention_probabilities",
-           "attn.hook_pattern": "attention_probabilities"}
+ALIASES = dict.fromkeys(transformerlens_spellings("attn.hook_pattern"), TRANSFORMERLENS_NAMES["attn.hook_pattern"])
 SCALES = ("attention_norm_scale", "mlp_norm_scale")
 
 

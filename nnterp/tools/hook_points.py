@@ -24,7 +24,16 @@ import torch
 from torch import nn
 
 from ..spec import attention
-from ..spec.catalog import ATTENTION_INTERNALS, BY_NAME, TRANSFORMERLENS_COMPUTED, TRANSFORMERLENS_NAMES
+from ..spec.catalog import (
+    ATTENTION_INTERNALS,
+    BY_NAME,
+    TRANSFORMERLENS_BRIDGE_ALIASES,
+    TRANSFORMERLENS_COMPUTED,
+    TRANSFORMERLENS_MODEL_HOOKS,
+    TRANSFORMERLENS_NAMES,
+    TRANSFORMERLENS_NORMS,
+    transformerlens_tail,
+)
 from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.locations import At, Unavailable, envoy_at
 
@@ -36,14 +45,9 @@ class HookError(NNterpError, ValueError):
 # -- names -----------------------------------------------------------------------------------------------------
 
 
-def _tail(key: str) -> str:
-    """A table key (``"resid_pre"``, ``"attn.hook_z"``) as the end of a block's hook name."""
-    return key if "." in key else f"hook_{key}"
-
-
-BLOCK_HOOKS: tuple[str, ...] = tuple(dict.fromkeys([*map(_tail, TRANSFORMERLENS_NAMES), *TRANSFORMERLENS_COMPUTED]))
-MODEL_HOOKS = ("hook_embed", "hook_pos_embed", "ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in",
-               "unembed.hook_out")
+BLOCK_HOOKS: tuple[str, ...] = tuple(dict.fromkeys([*map(transformerlens_tail, TRANSFORMERLENS_NAMES),
+                                                    *TRANSFORMERLENS_COMPUTED]))
+MODEL_HOOKS = TRANSFORMERLENS_MODEL_HOOKS
 
 _LAYER_TYPES = {"a": "attn", "attention": "attn", "m": "mlp", "b": "", "block": "", "blocks": ""}
 _ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
@@ -84,8 +88,7 @@ def split_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-# TransformerBridge's names of a block's input and output (``get_act_name("in", 5)``: ``blocks.5.hook_in``)
-BRIDGE_ALIASES = {"hook_in": "hook_resid_pre", "hook_out": "hook_resid_post"}
+BRIDGE_ALIASES = TRANSFORMERLENS_BRIDGE_ALIASES
 
 
 def is_hook_name(name) -> bool:
@@ -398,7 +401,7 @@ def _norm_point(model, name: str, layer: int | None, tail: str) -> Point:
             raise _unavailable(model, name, f"{model.family.name} has no final norm")
         path, live = model.family.ln_final, "model.ln_final.input"
     else:
-        value = "attention_norm_output" if which == "ln1" else "mlp_norm_output"
+        value = TRANSFORMERLENS_NORMS[which]
         relative = _plain_module_output(model, layer, value)
         if relative is None:
             raise _unavailable(model, name, f"TransformerLens's {which} is the norm whose output is {value}, and on "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...core.tokens import context_length, default_prepend_bos, tokenizer_prepends_bos
+from ...spec.catalog import TRANSFORMERLENS_NORMS
 from ...spec.errors import NNterpError
 from ...spec.locations import At
 from ...tools.hook_points import has_rotary, norm_form, position_table
@@ -363,7 +364,7 @@ class Blocks:
         return (self[i] for i in range(len(self)))
 
 
-NORM_VALUES = {"ln1": "attention_norm_output", "ln2": "mlp_norm_output"}
+NORM_VALUES = TRANSFORMERLENS_NORMS  # the catalog's: ln1 before the attention, ln2 before the MLP
 
 
 def norm_module(model, layer: int, which: str):
