@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ..core import norms
 from ..spec import attention
 from ..spec.catalog import (
     ATTENTION_INTERNALS,
@@ -365,23 +366,16 @@ def _mlp_in(model, name: str, layer: int) -> Point:
 
 # -- norms: TransformerLens's hook_scale and hook_normalized -----------------------------------------------------
 
-EPSILON_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
-
-
 def norm_form(module: nn.Module, what: str) -> tuple[bool, float]:
-    """``(centred, eps)`` of a LayerNorm or an RMSNorm module; a clear error for another kind of norm."""
-    kind = type(module).__name__
-    if isinstance(module, nn.LayerNorm) or ("LayerNorm" in kind and "RMS" not in kind):
-        centred = True
-    elif "RMS" in kind or isinstance(module, nn.RMSNorm):
-        centred = False
-    else:
-        raise HookError(f"{what}: the norm is a {kind}, not a LayerNorm or an RMSNorm, so its scale is not "
-                        "TransformerLens's hook_scale.")
-    eps = next((getattr(module, key) for key in EPSILON_NAMES if isinstance(getattr(module, key, None), float)), None)
-    if eps is None:
-        raise HookError(f"{what}: the norm ({kind}) declares no epsilon ({', '.join(EPSILON_NAMES)}).")
-    return centred, eps
+    """``(centred, eps)`` of a LayerNorm or an RMSNorm module (``nnterp.core.norms``); a clear error for another kind
+    of norm."""
+    if norms.norm_kind(module) is None:
+        raise HookError(f"{what}: the norm is a {type(module).__name__}, not a LayerNorm or an RMSNorm, so its scale is "
+                        "not TransformerLens's hook_scale.")
+    try:
+        return norms.norm_form(module)
+    except ValueError as error:
+        raise HookError(f"{what}: {error}.") from None
 
 
 def scale_and_normalized(x: torch.Tensor, centred: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

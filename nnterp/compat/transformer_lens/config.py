@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from ...core.norms import norm_form
 from ...core.tokens import context_length, default_prepend_bos, tokenizer_prepends_bos
 from ...spec.catalog import TRANSFORMERLENS_NORMS
 from ...spec.errors import NNterpError
 from ...spec.locations import At
-from ...tools.hook_points import has_rotary, norm_form, position_table
+from ...tools.hook_points import has_rotary, position_table
 from .factored import FactoredMatrix
 
 
@@ -63,7 +64,7 @@ def _normalization(model) -> str | None:
     if model.family.ln_final is None:
         return None
     try:
-        centred, _ = norm_form(model.ln_final._module, "cfg.normalization_type")
+        centred, _ = norm_form(model.ln_final._module)
     except ValueError:
         return type(model.ln_final._module).__name__
     return "LN" if centred else "RMS"
