@@ -139,7 +139,7 @@ def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True
     rows = [row[:1] for row in rows] if several else rows
     tokens = torch.cat([prompt_ids.repeat(len(rows), 1), torch.stack(rows)], dim=1)
     prompt_pieces = to_str_tokens(model, prompt, prepend_bos=prepend_bos)
-    answer_pieces = [to_str_tokens(model, a, prepend_bos=False) for a in answers]
+    answer_pieces: list = [to_str_tokens(model, a, prepend_bos=False) for a in answers]
     lines = []
     if print_details:
         lines.append(f"Tokenized prompt: {prompt_pieces}")

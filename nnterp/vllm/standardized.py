@@ -23,7 +23,7 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.vllm import VLLM
 
 from ..core.engine import ValueOutsideTrace
-from ..core.norms import declared_offset, norm_epsilon, norm_kind
+from ..core.norms import declared_offset, norm_form
 from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import ADDED, CATALOG, STREAM, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
@@ -385,8 +385,8 @@ class StandardizedVLLM(VLLM):
         head = getattr(root, "lm_head", None) or root.get_submodule(family.embed_tokens)  # Gemma-2: tied, no head
         processor = root.logits_processor
         dtype = hidden.dtype
-        eps, offset = norm_epsilon(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
-        if norm_kind(norm) == "rms_norm":  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
+        (centred, eps), offset = norm_form(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
+        if not centred:  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
             wide = hidden.float()
             wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
             normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
