@@ -65,6 +65,9 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
     # class, so they are not its surface): ``{name: property or function}``, each read with the model.
     # nnterp.compat.legacy.install sets nnterp 1.x's
     _nnterp_fallback: dict | None = None
+    # Names another door serves, which this class does not: ``{name: why, and where it is}``, said where the module
+    # tree has no such name either (nnterp.compat.transformer_lens sets TransformerLens's and SAELens's)
+    _nnterp_refused: dict[str, str] | None = None
 
     def __init__(self, model: str | os.PathLike | transformers.PreTrainedModel, tokenizer=None, *, validate: bool = True,
                  attention_values: bool = False, dispatch: bool = True, **from_pretrained_kwargs):
@@ -152,7 +155,13 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
             raise AttributeError(f"{family.name} has no final norm: its head reads the last block's output directly, "
                                  "so model.ln_final does not exist (model.project_on_vocab(h) is model.lm_head("
                                  f"{f'model.{family.head_input}(h)' if family.head_input else 'h'})).")
-        return TransformersModel.__getattr__(self, name)  # explicit: the class travels by value
+        try:
+            return TransformersModel.__getattr__(self, name)  # explicit: the class travels by value
+        except AttributeError:
+            refused = StandardizedTransformer._nnterp_refused
+            if refused is not None and name in refused:
+                raise AttributeError(refused[name]) from None
+            raise
 
     def __setattr__(self, name: str, value) -> None:
         fallback = StandardizedTransformer._nnterp_fallback

@@ -74,3 +74,12 @@ def test_1x_names_resolve_with_a_warning_without_being_on_the_class(tiny_model):
     assert len(layers) == tiny_model.num_layers
     assert [w.category for w in caught] == [DeprecationWarning]
     assert "model.layers[i].layer_output" in str(caught[0].message)
+
+
+def test_a_door_s_name_on_the_core_class_says_where_it_is(tiny_model):
+    for name in ("to_tokens", "run_with_hooks", "cfg", "W_Q", "blocks", "run_with_saes", "acts_to_saes"):
+        assert not hasattr(tiny_model, name)
+        with pytest.raises(AttributeError, match=r"HookedTransformer\.from_pretrained"):
+            getattr(tiny_model, name)
+    with pytest.raises(AttributeError, match="nor its module"):  # any other name: nnsight's own message
+        tiny_model.no_such_name  # noqa: B018

@@ -10,6 +10,7 @@ The hook names and the standard values they are: ``nnterp.spec.catalog.TRANSFORM
 from __future__ import annotations
 
 from ...core import tokens
+from ...core.standardized import StandardizedTransformer
 from . import config, saes
 from .factored import FactoredMatrix
 from .hooked_module import HookedRootModule, HookPoint
@@ -33,6 +34,13 @@ def install(cls) -> None:
     saes.install(cls)
 
 
-install(HookedTransformer)  # the door's own class; StandardizedTransformer has none of these names
+install(HookedTransformer)  # the door's own class; StandardizedTransformer has none of these names, and says where
+StandardizedTransformer._nnterp_refused = {
+    name: (f"model.{name} is {'SAELens' if name in saes.METHODS or name == 'acts_to_saes' else 'TransformerLens'}'s "
+           "name, served by nnterp.HookedTransformer (nnterp.HookedSAETransformer): load with HookedTransformer."
+           "from_pretrained(name), or wrap this model's transformers model with HookedTransformer.from_pretrained("
+           "name, hf_model=model._module, tokenizer=model.tokenizer). A StandardizedTransformer has nnterp's names: "
+           "the standard values, model.trace, the tools (nnterp.run_with_cache, nnterp.splice, ...).")
+    for name in (*METHODS, *config.PROPERTIES, *saes.METHODS, "acts_to_saes")}
 
 __all__ = ["FactoredMatrix", "HookPoint", "HookedRootModule", "HookedTransformer", "install"]

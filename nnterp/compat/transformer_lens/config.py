@@ -317,7 +317,7 @@ class Component:
 
     def __getattr__(self, name: str):
         model, layer, prefix = self._model, self._layer, self._prefix
-        if prefix == "" and name in ("attn", "mlp", "ln1", "ln2"):
+        if prefix == "" and name in ("attn", "mlp", *TRANSFORMERLENS_NORMS):
             return Component(model, layer, name)
         if name.startswith("hook_"):
             full = ".".join(part for part in (f"blocks.{layer}", prefix, name) if part)
@@ -332,7 +332,7 @@ class Component:
                 raise AbsentWeight(str(error)) from None
         if (prefix == "attn" and name.lstrip("_") in ATTENTION) or (prefix == "mlp" and name in MLP):
             return block_weight(model, layer, name)
-        if prefix in ("ln1", "ln2") and name in ("w", "b"):
+        if prefix in TRANSFORMERLENS_NORMS and name in ("w", "b"):
             return norm_weight(model, layer, prefix, name)
         raise AttributeError(f"blocks[{layer}]{'.' + prefix if prefix else ''} has TransformerLens's hook points "
                              f"(hook_...) and weights ({', '.join(ATTENTION if prefix == 'attn' else MLP)}), not "
@@ -402,7 +402,7 @@ def tl_parameters(model) -> dict[str, torch.Tensor]:
         for name in ("W_in", "W_out", "b_in", "b_out", "W_gate"):  # TransformerBridge's order
             if name in weights:
                 params[f"blocks.{layer}.mlp.{name}"] = weights[name]
-        for which in ("ln1", "ln2"):
+        for which in TRANSFORMERLENS_NORMS:
             module = norm_module(model, layer, which)
             for name, tensor in (("w", getattr(module, "weight", None)), ("b", getattr(module, "bias", None))):
                 if isinstance(tensor, torch.Tensor):
