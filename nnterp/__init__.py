@@ -4,9 +4,7 @@ from .analysis import AnalysisUnavailable
 from .collection import Collection, CollectionError, collect
 from .compat import legacy as _legacy
 from .compat import paths as _paths
-from .compat import transformer_lens as _transformer_lens
 from .compat.transformer_lens import HookedTransformer
-from .compat.transformer_lens import saes as _saes
 from .compat.transformer_lens.factored import FactoredMatrix
 from .core.allocator import tune_allocator
 from .core.edits import skip_layers
@@ -39,8 +37,9 @@ from .tools.tuned_lens import TunedLens, load_tuned_lens
 from .version import __version__
 
 _paths.install()  # the module paths of before the packages (nnterp.lens, nnterp.nnsight_utils, ...)
-_legacy.install(StandardizedTransformer)  # nnterp 1.x's names and constructor arguments (the core has neither)
-_transformer_lens.install(StandardizedTransformer)  # TransformerLens's hooks, tokens, cfg and weights
+# nnterp 1.x's names (found on lookup, not set on the class) and constructor arguments (the core has neither)
+_legacy.install(StandardizedTransformer)
+# TransformerLens's and SAELens's names are HookedTransformer's own (nnterp.compat.transformer_lens)
 HookedSAETransformer = HookedTransformer  # SAELens's name of the same door: its run_with_saes and the rest
 
 __all__ = [
@@ -107,7 +106,6 @@ __all__ = [
 for _tool in (run_with_cache, to_str_tokens, test_prompt):
     setattr(StandardizedTransformer, _tool.__name__, _tool)
 del _tool
-_saes.install(StandardizedTransformer)  # SAELens's run_with_saes, run_with_cache_with_saes, saes, add_sae, reset_saes
 
 
 def __getattr__(name: str):

@@ -97,9 +97,8 @@ class AttentionInputs(ModuleList):
 
 
 class LegacyNames:
-    """nnterp 1.x's names on the model, each an adapter over today's API that warns with the new spelling (copied
-    onto ``StandardizedTransformer`` by ``install``; plain methods and explicit calls: the class travels by value to
-    remote servers)."""
+    """nnterp 1.x's names on the model, each an adapter over today's API that warns with the new spelling (found by
+    ``StandardizedTransformer``'s lookup, where ``install`` puts them; plain methods and explicit calls)."""
 
     @property
     def _model(self):
@@ -520,10 +519,10 @@ def legacy_arguments(model, tokenizer, validate: bool, attention_values: bool, d
 
 
 def install(cls) -> None:
-    """Give the model class the 1.x names (``LegacyNames``) and constructor arguments (``legacy_arguments``, through
-    the class's ``_nnterp_arguments``), from outside the core (called by ``nnterp/__init__.py``). A name the class
-    already has, its own or a base's, stays the standard one."""
-    for name, value in vars(LegacyNames).items():
-        if not name.startswith("__") and not hasattr(cls, name):
-            setattr(cls, name, value)
+    """Give the model class the 1.x names (``LegacyNames``, through the class's ``_nnterp_fallback``: looked up where
+    the class and the module tree have no such name, never set on the class) and constructor arguments
+    (``legacy_arguments``, through ``_nnterp_arguments``), from outside the core (called by ``nnterp/__init__.py``).
+    A name the class already has, its own or a base's, stays the standard one."""
+    cls._nnterp_fallback = {name: value for name, value in vars(LegacyNames).items()
+                            if not name.startswith("__") and not hasattr(cls, name)}
     cls._nnterp_arguments = staticmethod(legacy_arguments)

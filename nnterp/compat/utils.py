@@ -124,7 +124,8 @@ def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True
     answer of several strings ranks each one's first token after the prompt. The pass runs with the hooks on the
     model (``with model.hooks(...)``, ``add_hook``), as TransformerLens's ``model(tokens)`` does. Returns nnterp's
     ``AnswerToken`` of each answer token (its ``rank`` counted from 1)."""
-    from ..core.tokens import AnswerToken, AnswerTokens, visible
+    from ..core.tokens import AnswerToken, AnswerTokens, to_str_tokens, to_string, to_tokens, visible
+    from .transformer_lens.hooks import run_with_hooks
 
     answers = [answer] if isinstance(answer, str) else list(answer)
     if not answers or not all(isinstance(a, str) for a in answers):
@@ -133,18 +134,18 @@ def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True
     if prepend_space_to_answer:
         answers = [a if a.startswith(" ") else " " + a for a in answers]
     several = len(answers) > 1
-    prompt_ids = model.to_tokens(prompt, prepend_bos=prepend_bos, move_to_device=False)
-    rows = [model.to_tokens(a, prepend_bos=False, move_to_device=False)[0] for a in answers]
+    prompt_ids = to_tokens(model, prompt, prepend_bos=prepend_bos, move_to_device=False)
+    rows = [to_tokens(model, a, prepend_bos=False, move_to_device=False)[0] for a in answers]
     rows = [row[:1] for row in rows] if several else rows
     tokens = torch.cat([prompt_ids.repeat(len(rows), 1), torch.stack(rows)], dim=1)
-    prompt_pieces = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
-    answer_pieces = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    prompt_pieces = to_str_tokens(model, prompt, prepend_bos=prepend_bos)
+    answer_pieces: list = [to_str_tokens(model, a, prepend_bos=False) for a in answers]
     lines = []
     if print_details:
         lines.append(f"Tokenized prompt: {prompt_pieces}")
         lines.append(f"Tokenized answers: {answer_pieces}" if several else f"Tokenized answer: {answer_pieces[0]}")
     with torch.no_grad():  # TransformerLens's model(tokens): the hooks on the model (add_hook, model.hooks) apply
-        logits = model.run_with_hooks(tokens).float().cpu()
+        logits = run_with_hooks(model, tokens).float().cpu()
     probs = logits.softmax(-1)
     start, found, ranks = prompt_ids.shape[1], [], []
     for index in range(start, start + (1 if several else len(answer_pieces[0]))):
@@ -163,7 +164,7 @@ def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True
             lines += [f"Rank: {rank[k]: <8} Logit: {float(logits[k, index - 1, t]):5.2f} Prob: {float(p[k, t]):6.2%} "
                       f"Token: |{pieces[k]}|" for k, t in enumerate(ids.tolist())]
             lines += [f"Top {i}th token. Logit: {float(logits[0, index - 1, t]):5.2f} Prob: {float(p[0, t]):6.2%} "
-                      f"Token: |{model.to_string(torch.tensor(t))}|" for i, t in enumerate(order[0, :top_k].tolist())]
+                      f"Token: |{to_string(model, torch.tensor(t))}|" for i, t in enumerate(order[0, :top_k].tolist())]
     lines.append(f"Ranks of the answer tokens: {ranks if several else [r[0] for r in ranks]}")
     report = "\n".join(lines)
     print(report)

@@ -61,6 +61,13 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
     # from_pretrained_kwargs)`` returns them in today's terms and ``after(model)``, run once the model is wrapped.
     # The core takes its own keywords only; nnterp.compat.legacy.install sets nnterp 1.x's (the core imports no compat)
     _nnterp_arguments: Callable[..., tuple] | None = None
+    # The names of an older API, resolved on lookup where the class and the module tree have none (never set on the
+    # class, so they are not its surface): ``{name: property or function}``, each read with the model.
+    # nnterp.compat.legacy.install sets nnterp 1.x's
+    _nnterp_fallback: dict | None = None
+    # Names another door serves, which this class does not: ``{name: why, and where it is}``, said where the module
+    # tree has no such name either (nnterp.compat.transformer_lens sets TransformerLens's and SAELens's)
+    _nnterp_refused: dict[str, str] | None = None
 
     def __init__(self, model: str | os.PathLike | transformers.PreTrainedModel, tokenizer=None, *, validate: bool = True,
                  attention_values: bool = False, dispatch: bool = True, **from_pretrained_kwargs):
@@ -140,12 +147,28 @@ class StandardizedTransformer(Values, ValueOrder, Readout, AttentionValues, Remo
         return summary(self)
 
     def __getattr__(self, name: str):
+        fallback = StandardizedTransformer._nnterp_fallback
+        if fallback is not None and name in fallback:  # an older API's name, as if it were the class's
+            return fallback[name].__get__(self, type(self))
         family = self.__dict__.get("_nnterp_family")
         if name == "ln_final" and family is not None and family.ln_final is None:
             raise AttributeError(f"{family.name} has no final norm: its head reads the last block's output directly, "
                                  "so model.ln_final does not exist (model.project_on_vocab(h) is model.lm_head("
                                  f"{f'model.{family.head_input}(h)' if family.head_input else 'h'})).")
-        return TransformersModel.__getattr__(self, name)  # explicit: the class travels by value
+        try:
+            return TransformersModel.__getattr__(self, name)  # explicit: the class travels by value
+        except AttributeError:
+            refused = StandardizedTransformer._nnterp_refused
+            if refused is not None and name in refused:
+                raise AttributeError(refused[name]) from None
+            raise
+
+    def __setattr__(self, name: str, value) -> None:
+        fallback = StandardizedTransformer._nnterp_fallback
+        if fallback is not None and getattr(fallback.get(name), "fset", None) is not None:  # an older API's setter
+            fallback[name].__set__(self, value)
+            return
+        TransformersModel.__setattr__(self, name, value)  # explicit: the class travels by value
 
     # -- model-level names --------------------------------------------------------------
     @property

@@ -44,6 +44,7 @@ from torch import nn
 from ..analysis import AnalysisUnavailable
 from ..analysis.blocks import added_factor
 from ..analysis.norms import _norm_form
+from ..core.norms import is_norm
 from ..spec.errors import ValueUnavailable
 from ..spec.sourced import sourced
 from .transcoders import Transcoders
@@ -81,10 +82,6 @@ class ReplacementPass:
     values: dict = field(default_factory=dict)
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
-
-
 def _first_tensor(value):
     return value[0] if isinstance(value, (tuple, list)) else value
 
@@ -95,7 +92,7 @@ class _FrozenNorms:
     def __init__(self, model, skip_prefixes: tuple[str, ...]):
         self.model, self.handles, self.forms = model, [], {}
         for name, module in model._module.named_modules():
-            if not _is_norm(module) or any(name == p or name.startswith(p + ".") for p in skip_prefixes):
+            if not is_norm(module) or any(name == p or name.startswith(p + ".") for p in skip_prefixes):
                 continue
             self.handles.append(module.register_forward_hook(
                 lambda m, args, kwargs, out, name=name: self.freeze(name, m, args, kwargs, out), with_kwargs=True))

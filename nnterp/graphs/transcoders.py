@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..spec.catalog import TRANSFORMERLENS_NAMES
+from ..spec.catalog import transformerlens_value
 from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.sourced import sourced
 
@@ -43,11 +43,7 @@ def standard_site(hook: str) -> str | None:
     tail = hook.split(".", 2)[2] if hook.startswith("blocks.") and hook.count(".") >= 2 else hook
     if tail in MODULE_HOOKS:
         return MODULE_HOOKS[tail]
-    for name, standard in TRANSFORMERLENS_NAMES.items():
-        short = name.rpartition(".")[2].removeprefix("hook_")
-        if tail in (name, f"hook_{name}", short, f"hook_{short}"):
-            return standard
-    return None
+    return transformerlens_value(tail)
 
 
 @sourced

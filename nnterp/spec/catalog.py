@@ -102,8 +102,9 @@ ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attenti
 ATTENTION_VALUES = tuple(v.name for v in values_of("self_attn"))
 
 
-# TransformerLens's hook names (``blocks.i.<name>``, with or without ``hook_``) -> the nearest standard value, for
-# suggestions. ``hook_post`` is what the down projection sums (after a gated MLP's product); ``hook_mlp_in`` is a
+# TransformerLens's vocabulary, declared here once (the hook points, the cache keys, the dictionaries' sites and the
+# graphs' transcoder hooks read it): its hook names (``blocks.i.<name>``, with or without ``hook_``) -> the nearest
+# standard value, for suggestions. ``hook_post`` is what the down projection sums (after a gated MLP's product); ``hook_mlp_in`` is a
 # copy of ``resid_mid``. Three are near, not equal: ``hook_normalized`` is before the norm's weight and bias, and
 # ``hook_q``/``hook_k`` before rotary embeddings (``nnterp.dictionaries`` refuses those as sites, with the reason).
 TRANSFORMERLENS_NAMES: dict[str, str] = {
@@ -133,20 +134,43 @@ TRANSFORMERLENS_COMPUTED: dict[str, str] = {
 }
 
 
-def _transformerlens_name(name: str) -> str | None:
+# TransformerLens's hook points of the model, outside the blocks, in forward order (embeddings first, readout last)
+TRANSFORMERLENS_MODEL_HOOKS = ("hook_embed", "hook_pos_embed", "ln_final.hook_scale", "ln_final.hook_normalized",
+                               "unembed.hook_in", "unembed.hook_out")
+# TransformerBridge's names of a block's input and output (``get_act_name("in", 5)``: ``blocks.5.hook_in``)
+TRANSFORMERLENS_BRIDGE_ALIASES = {"hook_in": "hook_resid_pre", "hook_out": "hook_resid_post"}
+# TransformerLens's block norms, by the standard value each one's output is (``ln1`` before the attention)
+TRANSFORMERLENS_NORMS: dict[str, str] = {key.partition(".")[0]: standard for key, standard
+                                         in TRANSFORMERLENS_NAMES.items() if key.endswith(".hook_normalized")}
+
+
+def transformerlens_tail(key: str) -> str:
+    """A key of the tables above as the end of a block's hook name: ``"resid_pre"`` -> ``"hook_resid_pre"``,
+    ``"attn.hook_z"`` as it is."""
+    return key if "." in key or key.startswith("hook_") else f"hook_{key}"
+
+
+def transformerlens_spellings(key: str) -> tuple[str, ...]:
+    """The ways a block's hook name is written, by its key in the tables above: ``"attn.hook_pattern"`` is also
+    ``"pattern"`` and ``"hook_pattern"``; ``"resid_pre"`` is also ``"hook_resid_pre"``."""
+    short = key.rpartition(".")[2].removeprefix("hook_")
+    return tuple(dict.fromkeys((key, transformerlens_tail(key), short, f"hook_{short}")))
+
+
+def transformerlens_value(name: str) -> str | None:
     """The standard value a TransformerLens hook name means (``"blocks.5.hook_resid_post"``, ``"resid_post"``,
     ``"attn.hook_pattern"``, ``"pattern"``), or None."""
     tail = name.split(".", 2)[2] if name.startswith("blocks.") and name.count(".") >= 2 else name
     for hook, standard in TRANSFORMERLENS_NAMES.items():
-        short = hook.rpartition(".")[2].removeprefix("hook_")
-        if tail in (hook, f"hook_{hook}", short, f"hook_{short}"):
+        if tail in transformerlens_spellings(hook):
             return standard
     return None
 
 
+
 def suggestion(name: str) -> Value | None:
     """The standard value a mistyped or TransformerLens name most likely means, or None."""
-    standard = _transformerlens_name(name)
+    standard = transformerlens_value(name)
     if standard is None:
         close = difflib.get_close_matches(name.rpartition(".")[2], BY_NAME, n=1, cutoff=0.75)
         standard = close[0] if close else None

@@ -23,8 +23,18 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ..core import norms
 from ..spec import attention
-from ..spec.catalog import ATTENTION_INTERNALS, BY_NAME, TRANSFORMERLENS_COMPUTED, TRANSFORMERLENS_NAMES
+from ..spec.catalog import (
+    ATTENTION_INTERNALS,
+    BY_NAME,
+    TRANSFORMERLENS_BRIDGE_ALIASES,
+    TRANSFORMERLENS_COMPUTED,
+    TRANSFORMERLENS_MODEL_HOOKS,
+    TRANSFORMERLENS_NAMES,
+    TRANSFORMERLENS_NORMS,
+    transformerlens_tail,
+)
 from ..spec.errors import NNterpError, ValueUnavailable
 from ..spec.locations import At, Unavailable, envoy_at
 
@@ -36,14 +46,9 @@ class HookError(NNterpError, ValueError):
 # -- names -----------------------------------------------------------------------------------------------------
 
 
-def _tail(key: str) -> str:
-    """A table key (``"resid_pre"``, ``"attn.hook_z"``) as the end of a block's hook name."""
-    return key if "." in key else f"hook_{key}"
-
-
-BLOCK_HOOKS: tuple[str, ...] = tuple(dict.fromkeys([*map(_tail, TRANSFORMERLENS_NAMES), *TRANSFORMERLENS_COMPUTED]))
-MODEL_HOOKS = ("hook_embed", "hook_pos_embed", "ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in",
-               "unembed.hook_out")
+BLOCK_HOOKS: tuple[str, ...] = tuple(dict.fromkeys([*map(transformerlens_tail, TRANSFORMERLENS_NAMES),
+                                                    *TRANSFORMERLENS_COMPUTED]))
+MODEL_HOOKS = TRANSFORMERLENS_MODEL_HOOKS
 
 _LAYER_TYPES = {"a": "attn", "attention": "attn", "m": "mlp", "b": "", "block": "", "blocks": ""}
 _ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
@@ -84,8 +89,7 @@ def split_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-# TransformerBridge's names of a block's input and output (``get_act_name("in", 5)``: ``blocks.5.hook_in``)
-BRIDGE_ALIASES = {"hook_in": "hook_resid_pre", "hook_out": "hook_resid_post"}
+BRIDGE_ALIASES = TRANSFORMERLENS_BRIDGE_ALIASES
 
 
 def is_hook_name(name) -> bool:
@@ -362,23 +366,16 @@ def _mlp_in(model, name: str, layer: int) -> Point:
 
 # -- norms: TransformerLens's hook_scale and hook_normalized -----------------------------------------------------
 
-EPSILON_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
-
-
 def norm_form(module: nn.Module, what: str) -> tuple[bool, float]:
-    """``(centred, eps)`` of a LayerNorm or an RMSNorm module; a clear error for another kind of norm."""
-    kind = type(module).__name__
-    if isinstance(module, nn.LayerNorm) or ("LayerNorm" in kind and "RMS" not in kind):
-        centred = True
-    elif "RMS" in kind or isinstance(module, nn.RMSNorm):
-        centred = False
-    else:
-        raise HookError(f"{what}: the norm is a {kind}, not a LayerNorm or an RMSNorm, so its scale is not "
-                        "TransformerLens's hook_scale.")
-    eps = next((getattr(module, key) for key in EPSILON_NAMES if isinstance(getattr(module, key, None), float)), None)
-    if eps is None:
-        raise HookError(f"{what}: the norm ({kind}) declares no epsilon ({', '.join(EPSILON_NAMES)}).")
-    return centred, eps
+    """``(centred, eps)`` of a LayerNorm or an RMSNorm module (``nnterp.core.norms``); a clear error for another kind
+    of norm."""
+    if norms.norm_kind(module) is None:
+        raise HookError(f"{what}: the norm is a {type(module).__name__}, not a LayerNorm or an RMSNorm, so its scale is "
+                        "not TransformerLens's hook_scale.")
+    try:
+        return norms.norm_form(module)
+    except ValueError as error:
+        raise HookError(f"{what}: {error}.") from None
 
 
 def scale_and_normalized(x: torch.Tensor, centred: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,7 +395,7 @@ def _norm_point(model, name: str, layer: int | None, tail: str) -> Point:
             raise _unavailable(model, name, f"{model.family.name} has no final norm")
         path, live = model.family.ln_final, "model.ln_final.input"
     else:
-        value = "attention_norm_output" if which == "ln1" else "mlp_norm_output"
+        value = TRANSFORMERLENS_NORMS[which]
         relative = _plain_module_output(model, layer, value)
         if relative is None:
             raise _unavailable(model, name, f"TransformerLens's {which} is the norm whose output is {value}, and on "

@@ -24,6 +24,7 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.vllm import VLLM
 
 from ..core.engine import ValueOutsideTrace
+from ..core.norms import declared_offset, norm_form
 from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
@@ -394,13 +395,13 @@ class StandardizedVLLM(VLLM):
         head = getattr(root, "lm_head", None) or root.get_submodule(family.embed_tokens)  # Gemma-2: tied, no head
         processor = root.logits_processor
         dtype = hidden.dtype
-        if hasattr(norm, "variance_epsilon"):  # vLLM's RMSNorm (GemmaRMSNorm: weight + 1), computed in float32
-            weight = norm.weight.float() + (1.0 if "Gemma" in type(norm).__name__ else 0.0)
+        (centred, eps), offset = norm_form(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
+        if not centred:  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
             wide = hidden.float()
-            wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + norm.variance_epsilon)
-            normed = (wide * weight).to(dtype) if "Gemma" in type(norm).__name__ else wide.to(dtype) * norm.weight
+            wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
+            normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
         else:  # LayerNorm
-            normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight, norm.bias, norm.eps)
+            normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight, norm.bias, eps)
         logits = normed @ head.weight[: self.vocab_size].T
         bias = getattr(head, "bias", None)
         if bias is not None:

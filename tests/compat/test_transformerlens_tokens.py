@@ -37,10 +37,16 @@ def test_to_tokens(models, prepend_bos, padding_side):
 
 def test_a_standardized_transformer_tokenizes_as_its_tokenizer_unless_asked(plain, models):
     _, _, theirs = models
+    from nnterp.compat.transformer_lens.config import cfg
+    from nnterp.core.tokens import to_tokens
+
+    # TransformerLens's names are HookedTransformer's; nnterp's tools tokenize a StandardizedTransformer's input
+    # with the same function
+    assert not hasattr(plain, "to_tokens") and not hasattr(plain, "cfg")
     own = torch.tensor([plain.tokenizer(TEXTS[0]).input_ids])
-    assert torch.equal(plain.to_tokens(TEXTS[0]), own)  # GPT-2's tokenizer adds no BOS
-    assert plain.cfg.default_prepend_bos is False and plain.cfg.tokenizer_prepends_bos is False
-    assert torch.equal(plain.to_tokens(TEXTS[0], prepend_bos=True), theirs.to_tokens(TEXTS[0]))
+    assert torch.equal(to_tokens(plain, TEXTS[0]), own)  # GPT-2's tokenizer adds no BOS
+    assert cfg(plain).default_prepend_bos is False and cfg(plain).tokenizer_prepends_bos is False
+    assert torch.equal(to_tokens(plain, TEXTS[0], prepend_bos=True), theirs.to_tokens(TEXTS[0]))
 
 
 def test_to_str_tokens(models, plain):

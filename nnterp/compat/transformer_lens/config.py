@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from ...core.norms import norm_form
 from ...core.tokens import context_length, default_prepend_bos, tokenizer_prepends_bos
+from ...spec.catalog import TRANSFORMERLENS_NORMS
 from ...spec.errors import NNterpError
 from ...spec.locations import At
-from ...tools.hook_points import has_rotary, norm_form, position_table
+from ...tools.hook_points import has_rotary, position_table
 from .factored import FactoredMatrix
 
 
@@ -62,7 +64,7 @@ def _normalization(model) -> str | None:
     if model.family.ln_final is None:
         return None
     try:
-        centred, _ = norm_form(model.ln_final._module, "cfg.normalization_type")
+        centred, _ = norm_form(model.ln_final._module)
     except ValueError:
         return type(model.ln_final._module).__name__
     return "LN" if centred else "RMS"
@@ -127,22 +129,37 @@ def _conv1d(module) -> bool:
     return type(module).__name__ == "Conv1D"  # GPT-2's projections: x @ weight [in, out] + bias
 
 
-class AbsentBias(torch.Tensor):
-    """Zeros standing for a bias the module does not have, as TransformerLens gives them: read as zeros, and an
-    in-place edit refused, since no weight of the model would change (a module without a bias has none to edit)."""
+class ReadOnlyWeight(torch.Tensor):
+    """A weight as TransformerLens gives it that no parameter of the model holds as such: read as any tensor, and an
+    in-place edit refused, since no weight of the model would change (``why`` says what it stands for)."""
+
+    why = ""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and name != "requires_grad_") or (
                 name.startswith("__i") and name.endswith("__")):
-            raise WeightRefused("This bias is zeros standing for one the module does not have (as TransformerLens "
-                                "gives it): an edit of it would change nothing in the model. Edit the module's "
-                                "weights, or add to the sublayer's output in a trace or a hook.")
+            raise WeightRefused(cls.why)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **(kwargs or {}))
         # every result a plain tensor (an op that gives the same tensor back, .float(), too)
-        return result.as_subclass(torch.Tensor) if isinstance(result, AbsentBias) else result
+        return result.as_subclass(torch.Tensor) if isinstance(result, ReadOnlyWeight) else result
+
+
+class AbsentBias(ReadOnlyWeight):
+    """Zeros standing for a bias the module does not have, as TransformerLens gives them."""
+
+    why = ("This bias is zeros standing for one the module does not have (as TransformerLens gives it): an edit of it "
+           "would change nothing in the model. Edit the module's weights, or add to the sublayer's output in a trace "
+           "or a hook.")
+
+
+class OffsetGain(ReadOnlyWeight):
+    """A norm's gain where the norm applies ``1 + weight`` (Gemma's RMSNorm): TransformerLens's ``w`` is that sum."""
+
+    why = ("This norm weight is the module's weight plus 1, the gain the norm applies (as TransformerLens gives it): "
+           "an edit of it would change nothing in the model. Edit the module's own weight, which the norm adds 1 to.")
 
 
 def _bias(module, size: int, like: torch.Tensor) -> torch.Tensor:
@@ -315,7 +332,7 @@ class Component:
 
     def __getattr__(self, name: str):
         model, layer, prefix = self._model, self._layer, self._prefix
-        if prefix == "" and name in ("attn", "mlp", "ln1", "ln2"):
+        if prefix == "" and name in ("attn", "mlp", *TRANSFORMERLENS_NORMS):
             return Component(model, layer, name)
         if name.startswith("hook_"):
             full = ".".join(part for part in (f"blocks.{layer}", prefix, name) if part)
@@ -330,7 +347,7 @@ class Component:
                 raise AbsentWeight(str(error)) from None
         if (prefix == "attn" and name.lstrip("_") in ATTENTION) or (prefix == "mlp" and name in MLP):
             return block_weight(model, layer, name)
-        if prefix in ("ln1", "ln2") and name in ("w", "b"):
+        if prefix in TRANSFORMERLENS_NORMS and name in ("w", "b"):
             return norm_weight(model, layer, prefix, name)
         raise AttributeError(f"blocks[{layer}]{'.' + prefix if prefix else ''} has TransformerLens's hook points "
                              f"(hook_...) and weights ({', '.join(ATTENTION if prefix == 'attn' else MLP)}), not "
@@ -363,7 +380,7 @@ class Blocks:
         return (self[i] for i in range(len(self)))
 
 
-NORM_VALUES = {"ln1": "attention_norm_output", "ln2": "mlp_norm_output"}
+NORM_VALUES = TRANSFORMERLENS_NORMS  # the catalog's: ln1 before the attention, ln2 before the MLP
 
 
 def norm_module(model, layer: int, which: str):
@@ -375,10 +392,29 @@ def norm_module(model, layer: int, which: str):
     return model.layers[layer]._module.get_submodule(location.path)
 
 
+def norm_gain(model, module, label: str) -> torch.Tensor | None:
+    """The gain a norm module applies, as TransformerLens's ``w`` is: its weight, or ``1 + weight`` where the norm
+    adds 1 to it (Gemma's; measured on the module, ``nnterp.analysis.norms``); None where it has no weight."""
+    from ...analysis import AnalysisUnavailable
+    from ...analysis.norms import _norm_form
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    try:
+        offset = _norm_form(model, module, weight.new_zeros(1, 1, weight.shape[-1]), label)[1]
+    except AnalysisUnavailable as error:
+        raise WeightRefused(f"{label}.w: {str(error).partition(': ')[2] or error}") from None
+    return weight if not offset else (weight.detach() + offset).as_subclass(OffsetGain)
+
+
 def norm_weight(model, layer: int, which: str, name: str) -> torch.Tensor:
-    """``blocks[layer].ln1.w`` and the rest: the norm module's weight (``w``) or bias (``b``)."""
+    """``blocks[layer].ln1.w`` and the rest: the gain the norm module applies (``w``: its weight, or ``1 + weight``
+    where it adds 1, as TransformerLens's conversion gives it) or its bias (``b``)."""
     module = norm_module(model, layer, which)
-    tensor = getattr(module, "weight" if name == "w" else "bias", None) if module is not None else None
+    label = f"blocks[{layer}].{which}"
+    tensor = None if module is None else norm_gain(model, module, label) if name == "w" else getattr(module, "bias",
+                                                                                                      None)
     if not isinstance(tensor, torch.Tensor):
         raise AbsentWeight(f"blocks[{layer}].{which}.{name}: block {layer}'s {which} has no "
                            f"{'weight' if name == 'w' else 'bias'}" + (" (no norm module)" if module is None else ""))
@@ -400,13 +436,15 @@ def tl_parameters(model) -> dict[str, torch.Tensor]:
         for name in ("W_in", "W_out", "b_in", "b_out", "W_gate"):  # TransformerBridge's order
             if name in weights:
                 params[f"blocks.{layer}.mlp.{name}"] = weights[name]
-        for which in ("ln1", "ln2"):
+        for which in TRANSFORMERLENS_NORMS:
             module = norm_module(model, layer, which)
-            for name, tensor in (("w", getattr(module, "weight", None)), ("b", getattr(module, "bias", None))):
+            gain = None if module is None else norm_gain(model, module, f"blocks[{layer}].{which}")
+            for name, tensor in (("w", gain), ("b", getattr(module, "bias", None))):
                 if isinstance(tensor, torch.Tensor):
                     params[f"blocks.{layer}.{which}.{name}"] = tensor
     final = model._module.get_submodule(model.family.ln_final) if model.family.ln_final else None
-    for name, tensor in (("w", getattr(final, "weight", None)), ("b", getattr(final, "bias", None))):
+    gain = None if final is None else norm_gain(model, final, "ln_final")
+    for name, tensor in (("w", gain), ("b", getattr(final, "bias", None))):
         if isinstance(tensor, torch.Tensor):
             params[f"ln_final.{name}"] = tensor
     params.update({"unembed.W_U": W_U(model), "unembed.b_U": b_U(model)})

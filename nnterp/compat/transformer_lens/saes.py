@@ -400,7 +400,7 @@ METHODS = {"run_with_saes": run_with_saes, "run_with_cache_with_saes": run_with_
 
 
 def install(model_class: type) -> None:
-    """SAELens's methods on ``model_class`` (``StandardizedTransformer``, and so its subclasses)."""
+    """SAELens's methods on ``model_class`` (``HookedTransformer``, SAELens's ``HookedSAETransformer``)."""
     for name, method in METHODS.items():
         setattr(model_class, name, method)
     model_class.acts_to_saes = property(acts_to_saes)
