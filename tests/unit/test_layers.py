@@ -91,12 +91,14 @@ LAYERS = (
     "families",  # one spec per family
     "proof",  # a spec proven on a miniature of its config; the census
     "core",  # StandardizedTransformer: loading, the engine, the envoys, order, readout, remote
-    "vllm",  # StandardizedVLLM: the standard names on a vLLM engine (an extra: vLLM is imported by it alone)
     "dictionaries",  # sparse dictionaries by standard name, and their splice
     "analysis",  # TransformerLens's analyses over a cache
     "tools",  # the research tools: lens, patching, steering, caches, plots, prompts
     "graphs",  # attribution graphs with transcoders (circuit-tracer's), pruning and graph files
     "collection",  # activations to disk at dataset scale
+    # StandardizedVLLM: the standard names on a vLLM engine, and the tools run its way (an extra: vLLM is imported
+    # by it alone)
+    "vllm",
     "compat",  # nnterp 1.x's names and module paths
     "documentation",  # the generated pages
 )
