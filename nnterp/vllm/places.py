@@ -335,3 +335,19 @@ def _with_kernel(family: VLLMFamily) -> VLLMFamily:
 
 
 FAMILIES = {name: _with_kernel(family) for name, family in FAMILIES.items()}
+
+
+KERNEL_SHARDED = ("under tensor parallelism each rank's attention kernel receives its own heads' queries, keys and "
+                  "values, at no parallel linear layer's boundary (where nnsight gathers the ranks' pieces into the "
+                  "whole): read here they would be one rank's heads. attention_premix (the output projection's "
+                  "input, gathered) is whole; run with tensor_parallel_size=1 for the attention's internals")
+
+
+def sharded(family: VLLMFamily) -> VLLMFamily:
+    """``family`` on a tensor-parallel engine: the values at module boundaries are whole (the stream is all-reduced;
+    nnsight gathers the pieces at the parallel linear layers' boundaries), those at the attention kernel are one
+    rank's heads, and are refused with the reason."""
+    kernel = [name for name, place in family.values.items() if isinstance(place, FromKernel) or (
+        isinstance(place, At) and place.path.endswith(".attn") and place.side == "input")]
+    return dataclasses.replace(family, values={k: v for k, v in family.values.items() if k not in kernel},
+                               unavailable={**family.unavailable, **dict.fromkeys(kernel, KERNEL_SHARDED)})

@@ -30,7 +30,7 @@ from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment, ValueUnavailable
 from . import tools
 from .attention import kernel_facts, recomputed, refuse_write
-from .places import FUSED, FromKernel, FusedStream, Place, VLLMFamily, served_family
+from .places import FUSED, FromKernel, FusedStream, Place, VLLMFamily, served_family, sharded
 from .stream import StreamAt, check_streams, read_stream
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
@@ -272,6 +272,8 @@ class StandardizedVLLM(VLLM):
         config = full_config.get_text_config()
         # by the class vLLM's registry will run (its own, or its Transformers backend), before any engine starts
         family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
+        if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+            family = sharded(family)
         if config.model_type == "falcon" and (config.new_decoder_architecture or not config.parallel_attn or
                                               config.alibi):
             raise NotImplementedError(
