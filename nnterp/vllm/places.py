@@ -138,8 +138,14 @@ _LLAMA_LIKE = {"Llama": ("llama.LlamaForCausalLM", "mistral.MistralForCausalLM")
 FAMILIES: dict[str, VLLMFamily] = {name: _fused(name, classes) for name, classes in _LLAMA_LIKE.items()}
 FAMILIES["Gemma-2"] = _fused("Gemma-2", ("gemma2.Gemma2ForCausalLM",),
                              attention_contribution="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
+FAMILIES["Gemma-3"] = _fused("Gemma-3", ("gemma3.Gemma3ForCausalLM",), attention_contribution="post_attention_layernorm",
+                             mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
 FAMILIES["Mixtral"] = _fused("Mixtral", ("mixtral.MixtralForCausalLM",), mlp="block_sparse_moe", neurons=None)
 FAMILIES["Qwen2-MoE"] = _fused("Qwen2-MoE", ("qwen2_moe.Qwen2MoeForCausalLM",), neurons=None)
+FAMILIES["OLMoE"] = _fused("OLMoE", ("olmoe.OlmoeForCausalLM",), neurons=None)
+FAMILIES["Qwen3-MoE"] = _fused("Qwen3-MoE", ("qwen3_moe.Qwen3MoeForCausalLM",), neurons=None)
+# vLLM's Phi-3 is its Llama (the fused qkv_proj and gate_up_proj are Llama's there too)
+FAMILIES["Phi-3"] = _fused("Phi-3", ("phi3.Phi3ForCausalLM",))
 
 FAMILIES["GPT-2"] = VLLMFamily(
     name="GPT-2", shape=PLAIN, classes=("gpt2.GPT2LMHeadModel",), layers="transformer.h", embed_tokens="transformer.wte",

@@ -35,6 +35,11 @@ CONFIGS = {
                                                   sliding_window=None),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=64),
+    "phi3": lambda: transformers.Phi3Config(**SMALL),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=32, query_pre_attn_scalar=32),
+    "olmoe": lambda: transformers.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
     "gptj": lambda: transformers.GPTJConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             rotary_dim=16, bos_token_id=2, eos_token_id=2, pad_token_id=1),
     "opt": lambda: transformers.OPTConfig(num_hidden_layers=3, hidden_size=128, ffn_dim=256, num_attention_heads=4,
@@ -96,7 +101,8 @@ BLOOM_HOOKS = {  # transformers' attention and MLP add the residual inside: thei
     "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp.dense_4h_to_h", "output"),
     "layer_output": ("", "output"),
 }
-HOOKS = {"bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS}
+HOOKS = {"bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
+         "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
          "mlp_neurons": "mlp", "mlp_output": "mlp"}
 PROMPT = [5, 17, 33, 9, 60, 41, 12]
