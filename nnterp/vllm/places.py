@@ -89,6 +89,8 @@ class VLLMFamily:
     # vLLM's model classes ("<module>.<Class>" under vllm.model_executor.models) whose code these places describe:
     # a checkpoint is served only where vLLM's registry resolves its architecture to one of them
     classes: tuple[str, ...] = ()
+    # the config values vLLM's code for the family assumes: a config with others is refused before any engine starts
+    requires: dict[str, object] = field(default_factory=dict)
 
     def rename(self) -> dict[str, str]:
         """nnsight aliases giving the standard module names (``model.layers``, ``layers[i].self_attn``, ...)."""
@@ -254,6 +256,28 @@ FAMILIES["BLOOM"] = VLLMFamily(
         "layer_output": At("", "output"),
     },
     unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+)
+
+# vLLM's StableLM: a block takes (positions, hidden) and returns (stream, residual before the MLP); sequential
+# blocks without q/k norms only (vLLM's code has neither use_parallel_residual nor qk_layernorm)
+FAMILIES["StableLM"] = VLLMFamily(
+    name="StableLM", shape=PLAIN, classes=("stablelm.StablelmForCausalLM",),
+    requires={"use_parallel_residual": False, "qk_layernorm": False},
+    values={
+        "layer_input": At("", "input", arg=1),
+        "attention_norm_output": At("input_layernorm", "output"),
+        "attention_premix": At("self_attn.o_proj", "input", heads=True),
+        "attention_output": At("self_attn", "output"),
+        "layer_mid": At("post_attention_layernorm", "input", shared=True),
+        "mlp_norm_output": At("post_attention_layernorm", "output"),
+        "mlp_input": At("mlp", "input"),
+        "mlp_neurons": At("mlp.down_proj", "input"),
+        "mlp_output": At("mlp", "output"),
+        "layer_output": At("", "output"),
+    },
+    unavailable={internal: _INTERNALS for internal in ATTENTION_INTERNALS} | {
+        "mlp_activation": "vLLM's gated MLP computes act(gate) * up in one fused op (SiluAndMul): act(gate) alone is "
+                          "never a tensor; mlp_neurons is that op's output"},
 )
 
 # served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)

@@ -285,6 +285,13 @@ class StandardizedVLLM(VLLM):
                 "StandardizedVLLM places BLOOM's values with the residual taken before the norms only "
                 "(apply_residual_connection_post_layernorm=False, as in every released BLOOM). Use "
                 "StandardizedTransformer for it.")
+        differs = {key: getattr(config, key, None) for key, want in family.requires.items()
+                   if getattr(config, key, None) != want}
+        if differs:
+            raise NotImplementedError(
+                f"StandardizedVLLM places {family.name}'s values as vLLM's code computes them, which assumes "
+                f"{', '.join(f'{key}={value!r}' for key, value in family.requires.items())}; this config has "
+                f"{', '.join(f'{key}={value!r}' for key, value in differs.items())}. Use StandardizedTransformer for it.")
         if config.model_type == "opt" and (not config.do_layer_norm_before or
                                            config.word_embed_proj_dim != config.hidden_size):
             raise NotImplementedError(

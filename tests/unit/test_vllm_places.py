@@ -31,7 +31,10 @@ def test_a_placement_agrees_with_its_family_spec(name):
     assert spec is not None, f"{name} is placed on vLLM but is no nnterp family"
     assert family_for(spec.model_types[0]) is placed  # found from the spec's own model types
     assert placed.classes, f"{name} names no vLLM model class its places describe"
-    block = spec.block(spec.tiny_config(), 0)
+    config = spec.tiny_config()
+    for key, value in placed.requires.items():  # the configs vLLM's code for the family computes
+        setattr(config, key, value)
+    block = spec.block(config, 0)
     for value in NAMES:
         location = block.resolve(value)
         on_transformers = not isinstance(location, Unavailable)

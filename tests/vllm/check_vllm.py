@@ -40,6 +40,7 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**SMALL),
     "gemma3": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=32, query_pre_attn_scalar=32),
     "olmoe": lambda: transformers.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
+    "stablelm": lambda: transformers.StableLmConfig(**SMALL),
     "gptj": lambda: transformers.GPTJConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             rotary_dim=16, bos_token_id=2, eos_token_id=2, pad_token_id=1),
     "opt": lambda: transformers.OPTConfig(num_hidden_layers=3, hidden_size=128, ffn_dim=256, num_attention_heads=4,

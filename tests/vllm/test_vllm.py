@@ -29,7 +29,7 @@ needs_vllm = pytest.mark.skipif(
     "Python; where it cannot, it says why)")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-            "phi3", "gptj",
+            "phi3", "stablelm", "gptj",
             "falcon", "bloom", "opt", "gpt2"]
 # the values a family has no place for in vLLM's code (beyond the attention internals), and a word of the reason
 UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp_neurons": "experts"},
@@ -227,7 +227,8 @@ for model_type in ("mamba", "gpt_neox"):
     except NotImplementedError as error:
         print(model_type, "|", error)
 configs = {"opt-350m": transformers.OPTConfig(do_layer_norm_before=False),
-           "falcon-40b": transformers.FalconConfig(new_decoder_architecture=True)}
+           "falcon-40b": transformers.FalconConfig(new_decoder_architecture=True),
+           "stablelm-parallel": transformers.StableLmConfig(use_parallel_residual=True)}
 for label, config in configs.items():
     folder = tempfile.mkdtemp()
     config.save_pretrained(folder)
@@ -246,7 +247,8 @@ def test_what_vllm_cannot_serve_the_values_of_is_refused_with_the_reason():
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
-    assert set(said) == {"mamba", "gpt_neox", "opt-350m", "falcon-40b"}, done.stdout
+    assert set(said) == {"mamba", "gpt_neox", "opt-350m", "falcon-40b", "stablelm-parallel"}, done.stdout
+    assert "use_parallel_residual=True" in said["stablelm-parallel"]
     assert "Mamba" in said["mamba"] and "nnterp/vllm/places.py" in said["mamba"]
     assert "Transformers backend" in said["gpt_neox"]
     assert "OPT-350m" in said["opt-350m"] and "new_decoder_architecture" in said["falcon-40b"]
