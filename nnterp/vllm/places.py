@@ -142,6 +142,8 @@ FAMILIES["Gemma-2"] = _fused("Gemma-2", ("gemma2.Gemma2ForCausalLM",),
                              attention_contribution="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
 FAMILIES["Gemma-3"] = _fused("Gemma-3", ("gemma3.Gemma3ForCausalLM",), attention_contribution="post_attention_layernorm",
                              mlp_norm="pre_feedforward_layernorm", mlp_contribution="post_feedforward_layernorm")
+FAMILIES["GLM-4"] = _fused("GLM-4", ("glm4.Glm4ForCausalLM",), attention_contribution="post_self_attn_layernorm",
+                           mlp_contribution="post_mlp_layernorm")
 FAMILIES["Mixtral"] = _fused("Mixtral", ("mixtral.MixtralForCausalLM",), mlp="block_sparse_moe", neurons=None)
 FAMILIES["Qwen2-MoE"] = _fused("Qwen2-MoE", ("qwen2_moe.Qwen2MoeForCausalLM",), neurons=None)
 FAMILIES["OLMoE"] = _fused("OLMoE", ("olmoe.OlmoeForCausalLM",), neurons=None)

@@ -41,6 +41,7 @@ CONFIGS = {
     "gemma3": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=32, query_pre_attn_scalar=32),
     "olmoe": lambda: transformers.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
     "stablelm": lambda: transformers.StableLmConfig(**SMALL),
+    "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=32),
     "gptj": lambda: transformers.GPTJConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             rotary_dim=16, bos_token_id=2, eos_token_id=2, pad_token_id=1),
     "opt": lambda: transformers.OPTConfig(num_hidden_layers=3, hidden_size=128, ffn_dim=256, num_attention_heads=4,
@@ -74,6 +75,8 @@ GEMMA2_HOOKS = {**LLAMA_HOOKS, "attention_output": ("post_attention_layernorm", 
                 "layer_mid": ("pre_feedforward_layernorm", "input"),
                 "mlp_norm_output": ("pre_feedforward_layernorm", "output"),
                 "mlp_output": ("post_feedforward_layernorm", "output")}
+GLM4_HOOKS = {**LLAMA_HOOKS, "attention_output": ("post_self_attn_layernorm", "output"),
+              "mlp_output": ("post_mlp_layernorm", "output")}
 GPTJ_HOOKS = {  # in forward order: one norm's output feeds both sublayers
     "layer_input": ("", "input"), "attention_norm_output": ("ln_1", "output"), "mlp_norm_output": ("ln_1", "output"),
     "attention_premix": ("attn.out_proj", "input"), "attention_output": ("attn", "output"),
@@ -103,7 +106,7 @@ BLOOM_HOOKS = {  # transformers' attention and MLP add the residual inside: thei
     "layer_output": ("", "output"),
 }
 HOOKS = {"bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
-         "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS}
+         "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
          "mlp_neurons": "mlp", "mlp_output": "mlp"}
 PROMPT = [5, 17, 33, 9, 60, 41, 12]

@@ -29,7 +29,7 @@ needs_vllm = pytest.mark.skipif(
     "Python; where it cannot, it says why)")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-            "phi3", "stablelm", "gptj",
+            "phi3", "stablelm", "glm4", "gptj",
             "falcon", "bloom", "opt", "gpt2"]
 # the values a family has no place for in vLLM's code (beyond the attention internals), and a word of the reason
 UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp_neurons": "experts"},
