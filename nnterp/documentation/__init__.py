@@ -342,8 +342,39 @@ def availability_page() -> str:
         lines += [f"| `{value.key}` | " + " | ".join(_availability(found[f.name], value, reasons) for f in chunk) + " |"
                   for value in CATALOG]
         lines += ["", "</div>", ""]
+    lines += _on_vllm(reasons)
     lines += ["## Reasons", ""] + [f"{n}. {reason}" for reason, n in reasons.items()]
     return "\n".join(lines) + "\n"
+
+
+def _on_vllm(reasons: dict[str, int]) -> list[str]:
+    """The vLLM column of each placed family (``nnterp.vllm.places``: the same declarations StandardizedVLLM reads
+    by), as tables like the ones above: ✓ read at a module boundary of vLLM's code, ∑ the fused stream (the sum of a
+    block's two parts), ↻ recomputed from the attention kernel's inputs, ✗ with the reason."""
+    from ..vllm.places import FAMILIES as PLACED
+    from ..vllm.places import FromKernel, FusedStream
+
+    def cell(family, value) -> str:
+        name = "attention_output" if value.name == "mixer_output" else value.name
+        place = family.values.get(name)
+        if place is None:
+            reason = family.unavailable.get(name, "no place in vLLM's code")
+            return f"✗<sup>{reasons.setdefault(reason, len(reasons) + 1)}</sup>"
+        return "∑" if isinstance(place, FusedStream) else "↻" if isinstance(place, FromKernel) else "✓"
+
+    placed = sorted(PLACED.values(), key=lambda f: f.name.casefold())
+    lines = ["## On vLLM", "", f"`StandardizedVLLM` places the values on {len(placed)} families in vLLM's own model "
+             "code ([vLLM](vllm.md)): ✓ at a module boundary, ∑ the fused stream (the sum of the block's two "
+             "parts), ↻ recomputed from the queries and keys entering the attention kernel (the prompt's pass), ✗ "
+             "unavailable (the reason is numbered below).", ""]
+    tables = -(-len(placed) // MOST_FAMILIES_PER_TABLE)
+    for n in range(tables):
+        chunk = placed[n * len(placed) // tables:(n + 1) * len(placed) // tables]
+        lines += ['<div class="matrix" markdown>', "", "| value (vLLM) | " + " | ".join(f.name for f in chunk) + " |",
+                  "|---|" + ":-:|" * len(chunk)]
+        lines += [f"| `{value.key}` | " + " | ".join(cell(f, value) for f in chunk) + " |" for value in CATALOG]
+        lines += ["", "</div>", ""]
+    return lines
 
 
 def layer_page() -> str:
