@@ -494,6 +494,8 @@ class StandardizedVLLM(VLLM):
                              "from the queries and keys (its kernel never materializes it): steer those instead.")
         if place is None or place.copy or place.shared or place.heads or vector.numel() != self.hidden_size:
             return None
+        if getattr(self, "taps", None):  # an engine replaying CUDA graphs runs no forward hook: steer in a trace
+            return None
         element = (place.parts[0] if isinstance(place, FusedStream) else place.arg if place.side == "input" else
                    place.index)
         vector = vector.detach().reshape(self.hidden_size).cpu()
