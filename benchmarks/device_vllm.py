@@ -115,26 +115,13 @@ def batch_ratios(model, vector, steps: int, counts=(1, 8, 32, 128)) -> None:
     """Steered generation of many prompts (64 tokens each, ``steps`` greedy tokens, the vector at two blocks every
     step), tokens/s and ratios in time: the engine's own generate, raw nnsight (one invoke per prompt, the native
     output edited in place), and ``model.steered_generate`` (benchmarks/vllm_batch.py's measure, on CUDA)."""
-    from vllm import SamplingParams
-    from vllm_batch import interleaved
+    from vllm_batch import baselines, interleaved
 
     generator = torch.Generator().manual_seed(2)
     print(f"  many prompts, {steps} greedy tokens each, a vector at 2 blocks every step (median of 3, interleaved):")
     for count in counts:
         ids = [torch.randint(100, 30000, (64,), generator=generator).tolist() for _ in range(count)]
-
-        def engine(ids=ids):
-            model.vllm_entrypoint.generate([{"prompt_token_ids": row} for row in ids],
-                                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
-                                           use_tqdm=False)
-
-        def raw_nnsight(ids=ids):
-            with torch.no_grad(), model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
-                for row in ids:
-                    with tracer.invoke(row):
-                        for _step in tracer.iter[0:steps]:
-                            for layer in (2, 5):
-                                model.layers[layer].output[0][:] += vector
+        engine, raw_nnsight = baselines(model, ids, steps, vector, [2, 5])
 
         def standardized(ids=ids):
             model.steered_generate(ids, [2, 5], vector, max_new_tokens=steps)

@@ -35,6 +35,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 from vllm_generation import build  # noqa: E402
 
 
+def baselines(model, ids: list[list[int]], steps: int, vector: torch.Tensor, layers: list[int]):
+    """The engine's own greedy generate of ``ids``, and raw nnsight steering on the same engine (one invoke per
+    prompt, the vector added in place to the native output of ``layers`` every step): what nnterp is measured
+    against."""
+    from vllm import SamplingParams
+
+    def engine():
+        model.vllm_entrypoint.generate([{"prompt_token_ids": row} for row in ids],
+                                       SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
+                                       use_tqdm=False)
+
+    def raw_nnsight():
+        with torch.no_grad(), model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+            for row in ids:
+                with tracer.invoke(row):
+                    for _step in tracer.iter[0:steps]:
+                        for layer in layers:  # vLLM's Llama block returns (mlp_out, residual): their sum
+                            model.layers[layer].output[0][:] += vector
+
+    return engine, raw_nnsight
+
+
 def interleaved(variants: dict, rounds: int) -> dict[str, float]:
     """The median seconds of each variant, one call of each per round after a warm-up of each."""
     import statistics
@@ -58,7 +80,6 @@ def main() -> None:
     parser.add_argument("--prompts", default="1,8,32,128", help="numbers of prompts, comma-separated")
     parser.add_argument("--capture", type=int, default=128, help="prompts collected in the capture comparison (0: none)")
     args = parser.parse_args()
-    from vllm import SamplingParams
 
     import nnterp
     from nnterp.vllm import StandardizedVLLM
@@ -81,18 +102,7 @@ def main() -> None:
         ids = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(count)]
         texts = [" ".join(f"w{i}" for i in row) for row in ids]
 
-        def engine(ids=ids):
-            model.vllm_entrypoint.generate([{"prompt_token_ids": row} for row in ids],
-                                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                                           use_tqdm=False)
-
-        def raw_nnsight(ids=ids):
-            with torch.no_grad(), model.trace(temperature=0.0, max_tokens=n, ignore_eos=True) as tracer:
-                for row in ids:
-                    with tracer.invoke(row):
-                        for _step in tracer.iter[0:n]:
-                            for layer in steered:  # vLLM's Llama block returns (mlp_out, residual): their sum
-                                model.layers[layer].output[0][:] += vector
+        engine, raw_nnsight = baselines(model, ids, n, vector, steered)
 
         def standardized(ids=ids):
             model.steered_generate(ids, steered, vector, max_new_tokens=n)
