@@ -86,7 +86,7 @@ class WrappedModel(Protocol):
 
     def location(self, layer: int, name: str) -> At: ...
 
-    def run_slot(self, layer: int, run: int) -> Slot: ...
+    def _run_slot(self, layer: int, run: int) -> Slot: ...
 
     def _slot(self, layer: int, run: int | None) -> Slot: ...
 
@@ -146,7 +146,7 @@ class Values:
             raise ValueUnavailable(value.key, self.family.name, location.reason)
         return location
 
-    def run_slot(self: WrappedModel, layer: int, run: int) -> Slot:
+    def _run_slot(self: WrappedModel, layer: int, run: int) -> Slot:
         """The slot of run ``run`` of block ``layer``; an ``IndexError`` names the runs the block has."""
         runs = self.runs_of(layer)
         if not 0 <= run < runs:
@@ -162,7 +162,7 @@ class Values:
         if run is None:
             self.block_spec(layer)  # an out-of-range layer says so
             return self._nnterp_slots[layer % self.num_layers]
-        return self.run_slot(layer, run)
+        return self._run_slot(layer, run)
 
     def read_value(self: WrappedModel, layer: int, name: str, run: int | None = None):
         """Inside a trace: value ``name`` of block ``layer`` (what ``model.layers[layer].<name>`` gives), at run
@@ -177,7 +177,7 @@ class Values:
     def read_at(self: WrappedModel, layer: int, location: At, key: str | None = None, run: int | None = None):
         """Inside a trace: the tensor at ``location`` of block ``layer`` (at run ``run`` of a looped block)."""
         if run is not None:
-            self.run_slot(layer, run)  # an out-of-range run says so
+            self._run_slot(layer, run)  # an out-of-range run says so
         return BoundValue(self, layer % self.num_layers, run, key or location.describe(), location).read()
 
 

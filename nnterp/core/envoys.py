@@ -105,7 +105,7 @@ class BlockEnvoy(StandardEnvoy):
         """Run ``k`` of a block that runs several times in each forward pass (a looped section): its values, and
         those of its ``self_attn`` and ``mlp``, as that run computes them (``model.runs_of(i)`` runs, from 0)."""
         slot = self._nnterp_slot
-        return BlockRun(slot.model.run_slot(slot.layer, k))
+        return BlockRun(slot.model._run_slot(slot.layer, k))
 
     layer_input = StandardValue()
     attention_norm_output = StandardValue()

@@ -39,7 +39,7 @@ def block_calls(model, layers) -> list[tuple[int, int | None]]:
         layer, run = entry if isinstance(entry, tuple) else (entry, None)
         layer = layer_indices(model, [layer])[0]
         if run is not None:
-            model.run_slot(layer, run)  # a clear IndexError for a run the block does not have
+            model._run_slot(layer, run)  # a clear IndexError for a run the block does not have
         calls.append((layer, run))
     return calls
 
