@@ -153,6 +153,30 @@ class StandardPoint(Point):
         model.write_value(self.layer, self.value, value)
 
 
+class ScoresPoint(Point):
+    """TransformerLens's ``attn.hook_attn_scores``: the attention scores with the masked entries ``-inf``, as
+    TransformerLens masks them (transformers adds its dtype's lowest value instead). The reader gets that copy, and
+    an edit is written back with the ``-inf`` entries as the model's own mask value again, so that the model's
+    softmax (a padding query's row all masked included) runs as it does unhooked."""
+
+    copy = True
+    needs_attention = True
+
+    def __init__(self, scores: StandardPoint):
+        Point.__init__(self, scores.name, scores.layer, scores.event)
+        self.scores = scores
+
+    @staticmethod
+    def masked(scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))
+
+    def read(self, model):
+        return self.masked(self.scores.read(model))
+
+    def write(self, model, value):
+        self.scores.write(model, value.masked_fill(value.isneginf(), torch.finfo(value.dtype).min))
+
+
 class NativePoint(Point):
     """A module boundary of the model that no standard value names (the activation's input, a projection's output,
     the embeddings), read as nnsight reads it: ``path``'s ``side``, seen through ``view`` and written back through
@@ -297,6 +321,8 @@ def _block_point(model, name: str, layer: int, tail: str) -> Point:
         return NativePoint(name, layer, _event(model, full, "output", name), full, "output")
     if tail == "hook_mlp_in":
         return _mlp_in(model, name, layer)
+    if tail == "attn.hook_attn_scores":
+        return ScoresPoint(_standard(model, name, layer, "attention_scores"))
     key = tail.removeprefix("hook_") if tail.startswith("hook_") else tail
     return _standard(model, name, layer, TRANSFORMERLENS_NAMES[key])
 
@@ -566,7 +592,7 @@ def attention_for(model, needed: bool):
             model.disable_attention_values()
 
 
-__all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookError", "NativePoint", "Plan", "Point",
+__all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookError", "NativePoint", "Plan", "Point", "ScoresPoint",
            "StandardPoint", "apply", "attention_for", "before_stop", "get_act_name", "has_rotary", "hook_names", "hooked_points",
            "in_forward_order", "is_hook_name", "norm_form", "point", "points", "position_table",
            "scale_and_normalized", "split_name", "standard_point"]

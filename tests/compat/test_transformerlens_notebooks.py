@@ -1,0 +1,84 @@
+"""What TransformerLens's own notebooks observe (benchmarks/demo_cells.py runs them cell by cell), each compared with
+TransformerLens 3.9 or SAELens 6 themselves on the same tiny weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .tl_models import pair
+
+TEXT = "The cat sat on the mat"
+BATCH = ["The cat sat on the mat in Paris", "Hi"]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def models(request, gpt2_tokenizer_dir):
+    return pair(request.param, gpt2_tokenizer_dir)
+
+
+def close(a, b, atol=2e-5):
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=1e-4)
+
+
+def test_hook_attn_scores_holds_minus_infinity_where_masked_as_transformerlens(models):
+    # the Main Demo compares whole caches: transformers masks with the dtype's lowest value, TransformerLens with -inf
+    _, ours, theirs = models
+    with torch.no_grad():
+        _, expected = theirs.run_with_cache(TEXT, remove_batch_dim=True)
+        _, cache = ours.run_with_cache(TEXT, remove_batch_dim=True)
+        _, filtered = ours.run_with_cache(TEXT, names_filter=["blocks.1.attn.hook_attn_scores"])
+    for layer in (0, 1):
+        scores = expected[f"blocks.{layer}.attn.hook_attn_scores"]
+        assert scores.isneginf().any()
+        torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_attn_scores"], scores, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(filtered["blocks.1.attn.hook_attn_scores"][0], expected["blocks.1.attn.hook_attn_scores"],
+                               atol=2e-5, rtol=1e-4)
+    # what a hook is called with
+    seen = {}
+
+    def record(scores, hook):
+        seen[hook.name] = scores.clone()
+
+    with torch.no_grad():
+        ours.run_with_hooks(TEXT, fwd_hooks=[("blocks.0.attn.hook_attn_scores", record)])
+    close(seen["blocks.0.attn.hook_attn_scores"][0], expected["blocks.0.attn.hook_attn_scores"])
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_an_edit_of_hook_attn_scores_reaches_the_model_as_in_transformerlens(models, in_place):
+    _, ours, theirs = models
+
+    def double(scores, hook):
+        if in_place:
+            scores.mul_(2.0)
+            return None
+        return scores * 2.0
+
+    with torch.no_grad():
+        plain = theirs(TEXT)
+        expected = theirs.run_with_hooks(TEXT, fwd_hooks=[("blocks.0.attn.hook_attn_scores", double)])
+        logits = ours.run_with_hooks(TEXT, fwd_hooks=[("blocks.0.attn.hook_attn_scores", double)])
+    assert (expected - plain).abs().max() > 1e-3
+    close(logits, expected)
+    assert logits.isfinite().all()
+
+
+def test_a_padded_batch_keeps_its_scores_and_logits_finite(models):
+    _, ours, theirs = models
+    sides = ours.tokenizer.padding_side, theirs.tokenizer.padding_side
+    ours.tokenizer.padding_side = theirs.tokenizer.padding_side = "left"
+    try:
+        tokens = theirs.to_tokens(BATCH)
+        real = slice(-theirs.to_tokens(BATCH[1]).shape[1], None)
+        with torch.no_grad():
+            expected, expected_cache = theirs.run_with_cache(tokens)
+            logits, cache = ours.run_with_cache(tokens)
+            hooked = ours.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_attn_scores", lambda s, hook: s * 1.0)])
+    finally:
+        ours.tokenizer.padding_side, theirs.tokenizer.padding_side = sides
+    key = "blocks.1.attn.hook_attn_scores"
+    close(cache[key][1, :, real, real], expected_cache[key][1, :, real, real])
+    close(cache[key][0], expected_cache[key][0])
+    close(hooked[1, real], expected[1, real])
+    assert hooked[1].isfinite().all()  # the pads' rows, all masked, run as unhooked (no NaN from a -inf row)
