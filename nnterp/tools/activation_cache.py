@@ -574,7 +574,7 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
     if model.family.ln_final is not None and stop is None:  # what the analyses read: the final norm's input and output
         plan.add(_ReadoutPoint(model), keep=True)
     with hook_points.attention_for(model, plan.needs_attention), torch.no_grad(), model.trace(inputs):
-        kept = nnsight.save(plan.run(model))
+        kept = nnsight.save(plan.run(model, inputs["input_ids"].shape[0]))
         if residual is not None:
             stream = nnsight.save(residual.read(model).detach())
         elif return_type is not None:

@@ -120,6 +120,7 @@ class Point:
 
     read_only = False
     needs_attention = False  # read inside the eager attention (model.enable_attention_values())
+    per_batch = False  # the model holds one row for the whole batch (the position embeddings): given one per prompt
 
     def __init__(self, name: str, layer: int | None, event: tuple):
         self.name, self.layer, self.event = name, layer, event
@@ -477,7 +478,10 @@ def _model_point(model, name: str) -> Point:
         if path is None:
             raise _unavailable(model, name, f"{model.family.name} has no learned position embeddings (a table "
                                             "added to the token embeddings)")
-        return NativePoint(name, None, _event(model, path, "output", name), path, "output")
+        # TransformerLens adds them broadcast to the batch, [batch, pos, d_model]: a copy per prompt, written back
+        point = NativePoint(name, None, _event(model, path, "output", name), path, "output", copy=True)
+        point.per_batch = True
+        return point
     if name.startswith("unembed."):  # the head's input (the final norm's output) and its output, the logits
         path, side = model.family.lm_head, "input" if name == "unembed.hook_in" else "output"
         return NativePoint(name, None, _event(model, path, side, name), path, side)
@@ -568,11 +572,15 @@ class Plan:
     def ordered(self) -> list[Point]:
         return in_forward_order(list(self._points.values()))
 
-    def run(self, model) -> dict[str, torch.Tensor]:
-        """Inside a trace: every point read in forward order, its hooks applied; the kept values, detached."""
+    def run(self, model, batch: int | None = None) -> dict[str, torch.Tensor]:
+        """Inside a trace: every point read in forward order, its hooks applied; the kept values, detached. ``batch``:
+        the pass's number of prompts, to which a value the model holds once for all (``per_batch``) is expanded."""
         kept = {}
         for point in self.ordered():
-            value = apply(model, point, point.read(model), self._fns[point.name])
+            value = point.read(model)
+            if point.per_batch and batch is not None:
+                value = value.expand(batch, *value.shape[1:]).clone()
+            value = apply(model, point, value, self._fns[point.name])
             if self._kept[point.name]:
                 kept[point.name] = value.detach() if isinstance(value, torch.Tensor) else value
         return kept

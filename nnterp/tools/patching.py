@@ -209,7 +209,7 @@ def _hooked_pass(model, ids: torch.Tensor, hooks: list, edits: dict, name: str, 
 
         plan.add(point, patch if patches else None, keep=True)
     with torch.no_grad(), hook_points.attention_for(model, plan.needs_attention), model.trace(ids):
-        kept = nnsight.save(plan.run(model))
+        kept = nnsight.save(plan.run(model, ids.shape[0]))
         logits = nnsight.save(model.logits)
     return logits, {layer: kept[hook_points.standard_point(model, name, layer).name] for layer in edits}
 

@@ -82,3 +82,32 @@ def test_a_padded_batch_keeps_its_scores_and_logits_finite(models):
     close(cache[key][0], expected_cache[key][0])
     close(hooked[1, real], expected[1, real])
     assert hooked[1].isfinite().all()  # the pads' rows, all masked, run as unhooked (no NaN from a -inf row)
+
+
+@pytest.fixture(scope="module")
+def gpt2_models(gpt2_tokenizer_dir):
+    return pair("gpt2", gpt2_tokenizer_dir)
+
+
+def test_hook_pos_embed_has_the_batch_axis_transformerlens_broadcasts_it_to(gpt2_models):
+    # the Exploratory Analysis Demo caches a batch of 8 prompts: TransformerLens's hook_pos_embed is [8, pos, d_model]
+    _, ours, theirs = gpt2_models
+    tokens = theirs.to_tokens(["The cat sat on the mat", "A dog sat on the mat"])
+    with torch.no_grad():
+        _, expected = theirs.run_with_cache(tokens)
+        _, cache = ours.run_with_cache(tokens)
+        _, filtered = ours.run_with_cache(tokens, names_filter=lambda name: name == "hook_pos_embed")
+    assert expected["hook_pos_embed"].shape[0] == 2
+    close(cache["hook_pos_embed"], expected["hook_pos_embed"])
+    close(filtered["hook_pos_embed"], expected["hook_pos_embed"])
+
+    def edit_second_prompt(pos_embed, hook):
+        pos_embed[1, 2, :8] += 2.0  # in place, one prompt's position only (not by a constant: the norm centres it)
+
+    with torch.no_grad():
+        plain = theirs(tokens)
+        wanted = theirs.run_with_hooks(tokens, fwd_hooks=[("hook_pos_embed", edit_second_prompt)])
+        logits = ours.run_with_hooks(tokens, fwd_hooks=[("hook_pos_embed", edit_second_prompt)])
+    close(wanted[0], plain[0])
+    assert (wanted[1] - plain[1]).abs().max() > 1e-3
+    close(logits, wanted)

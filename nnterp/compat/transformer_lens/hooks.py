@@ -190,7 +190,7 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
         plan.add(residual)
     inputs = _inputs(model, input, prepend_bos, padding_side)
     with hook_points.attention_for(model, plan.needs_attention), model.trace(inputs):
-        plan.run(model)
+        plan.run(model, inputs["input_ids"].shape[0])
         if residual is not None:
             stream = nnsight.save(residual.read(model))
         elif return_type is not None:
