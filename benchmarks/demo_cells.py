@@ -17,8 +17,10 @@ Usage::
     python benchmarks/demo_cells.py --tl-repo MIRROR --tl-rev v3.5.1 --sae-repo MIRROR --sae-rev v6.18.0
     python benchmarks/demo_cells.py path/to/Main_Demo.ipynb --shapes gpt2 -v
 
-``--tl-processing notebook`` lets TransformerLens process the weights as the notebook asks (fold_ln and the rest,
-which nnterp refuses); the default compares against TransformerLens's unprocessed numbers.
+TransformerLens's side runs twice: unprocessed (``from_pretrained_no_processing``'s numbers, nnterp's own) and with the
+weight processing the notebook asks for (fold_ln, centring: nnterp refuses it, and its norms apply their weights as a
+folded model's do); a cell agreeing with the second only is counted the same and marked. ``--tl-processing none`` or
+``notebook`` keeps one.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ ATOL, RTOL = 1e-4, 1e-3
 # cells not run, by what they need (a pattern in the cell's source, the reason)
 SKIPS = [
     (r"checkpoint_index\s*=", "network: loads the hub's training checkpoints"),
-    (r"get_checkpoint_labels|neuronpedia|webbrowser\.open|http\.server|requests\.get", "network"),
+    (r"get_neuronpedia_quick_list\(|open_neuronpedia\w*\(", "network: opens Neuronpedia"),
+    (r"nltk\.download\(", "network: downloads NLTK's data"),
+    (r"requests\.get\(|^webbrowser\.open\(", "network"),
     (r"\.cuda\(\)|device\s*=\s*['\"]cuda['\"]\s*\)", "GPU"),
 ]
 PLOTS = re.compile(r"\b(imshow|line|scatter|px\.\w+|go\.\w+|cv\.\w+|display|HTML|IFrame|attention_heads|"
@@ -87,6 +91,14 @@ class Stub:
     def __repr__(self):
         return "<display stub>"
 
+    def __str__(self):
+        return ""
+
+    def __add__(self, other):
+        return other
+
+    __radd__ = __add__
+
 
 class StubModule(types.ModuleType):
     def __getattr__(self, name):
@@ -96,6 +108,10 @@ class StubModule(types.ModuleType):
 
 
 def install_display_stubs():
+    with contextlib.suppress(ImportError):
+        import sae_lens  # noqa: F401  (before the stubs: wandb, which it imports, looks for IPython)
+    with contextlib.suppress(ImportError), contextlib.redirect_stdout(io.StringIO()):
+        import sae_lens.tutorial.tsea  # noqa: F401  (its first import prints a note: before the two sides run)
     missing = {top for top in ("circuitsvis", "IPython") if importlib.util.find_spec(top) is None}
     for name in ["circuitsvis", "circuitsvis.attention", "circuitsvis.tokens", "circuitsvis.utils",
                  "circuitsvis.utils.render", "IPython", "IPython.display", "IPython.core"]:
@@ -203,6 +219,7 @@ def random_sae(root: str, release: str, sae_id: str, d_model: int):
     if not os.path.exists(folder):
         hook = re.search(r"blocks\.\d+\.[\w.]+", sae_id)
         hook_name = hook.group(0) if hook else sae_id
+        hook_name = re.sub(r"^(blocks\.\d+\.)(hook_[zqkv])$", r"\1attn.\2", hook_name)  # the hub's "blocks.5.hook_z"
         cfg = StandardSAEConfig(
             d_in=d_model, d_sae=4 * d_model, dtype="float32", device="cpu",
             reshape_activations="hook_z" if hook_name.endswith("hook_z") else "none",
@@ -360,7 +377,7 @@ def comparable(value, depth=0):
         # its product times fixed random vectors (the product itself can be vocabulary by vocabulary)
         probe = torch.randn(value.rdim, 4, generator=torch.Generator().manual_seed(0)).to(value.B)
         return ("FactoredMatrix", tuple(value.shape), (value.A @ (value.B @ probe)).detach().cpu())
-    if type(value).__name__ == "ActivationCache":
+    if type(value).__name__.endswith("ActivationCache"):  # SAELens's and nnterp's SAE caches too
         return ("cache", value)
     if type(value).__name__ == "DataFrame":
         return ("frame", {c: comparable(value[c].to_numpy(), depth + 1) for c in value.columns})
@@ -436,11 +453,12 @@ def difference(a, b, path="") -> str | None:
 
 NUMBER = re.compile(r"-?\d+\.?\d*(?:e[-+]?\d+)?")
 OBJECT = re.compile(r" at 0x[0-9a-f]+")
+CLASS = re.compile(r"<class '(?:\w+\.)*(\w+)'>")  # a printed type: its name, not the package it comes from
 
 
 def text_difference(a: str, b: str) -> str | None:
     """Printed outputs compared with their numbers to the tolerance (one unit in the last printed digit too)."""
-    a, b = OBJECT.sub("", a), OBJECT.sub("", b)
+    a, b = CLASS.sub(r"<class '\1'>", OBJECT.sub("", a)), CLASS.sub(r"<class '\1'>", OBJECT.sub("", b))
     if NUMBER.sub("#", a) != NUMBER.sub("#", b):
         for la, lb in zip(a.splitlines() + [""], b.splitlines() + [""]):
             if NUMBER.sub("#", la) != NUMBER.sub("#", lb):
@@ -497,11 +515,45 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}{where}"
 
 
+def compare(names, references: list[tuple[dict, str]], ours: dict, out_nn: str) -> tuple[str | None, int, bool]:
+    """The first of ``names`` (then the printed output) whose value in nnterp's namespace is no reference's (the
+    references: TransformerLens's namespaces and printed outputs, unprocessed first), how many things were
+    compared, and whether only a later reference (the processed weights) had some of them."""
+    compared, later = 0, False
+    for name in sorted(names):
+        if name.startswith("__") or name not in references[0][0]:
+            continue
+        values = [comparable(ns[name]) if name in ns else None for ns, _ in references]
+        if values[0] is None:
+            continue
+        compared += 1
+        b = comparable(ours.get(name))
+        found = [difference(a, b, name) for a in values]
+        if found[0] is None:
+            continue
+        if any(f is None for f in found[1:]):
+            later = True
+            continue
+        return found[0], compared, later
+    compared += bool(references[0][1].strip())
+    found = [text_difference(out, out_nn) for _, out in references]
+    if found[0] is not None and any(f is None for f in found[1:]):
+        return None, compared, True
+    return found[0], compared, later
+
+
 def measure(notebook: str, cells: list[str], folder: str, root: str, processing: str, verbose: bool):
-    sides = {side: fresh_namespace(Loaders(side, folder, root, processing)) for side in ("tl", "nnterp")}
+    """Each cell's row ``(index, status, why)``. With ``processing="both"``, a third namespace holds TransformerLens
+    with the weight processing the notebook asks for: a cell that differs from TransformerLens's unprocessed numbers
+    but is the processed model's (nnterp's norms apply their weights as a folded model's do) is the same, so
+    marked."""
+    kinds = {"tl": "none" if processing == "both" else processing, "nnterp": "none"}
+    if processing == "both":
+        kinds["tl-processed"] = "notebook"
+    sides = {side: fresh_namespace(Loaders(side.partition("-")[0], folder, root, kind)) for side, kind in kinds.items()}
     rows = []
     for index, source in enumerate(cells):
-        skip = next((reason for pattern, reason in SKIPS if re.search(pattern, source)), None)
+        skip = next((reason for pattern, reason in SKIPS if re.search(pattern, source, re.M)), None)
         if skip:
             rows.append((index, "skipped", skip))
             continue
@@ -509,9 +561,7 @@ def measure(notebook: str, cells: list[str], folder: str, root: str, processing:
         if code is None:
             rows.append((index, "skipped", "not Python"))
             continue
-        results = {}
-        for side, ns in sides.items():
-            results[side] = run_cell(code, ns, seed=1000 + index)
+        results = {side: run_cell(code, ns, seed=1000 + index) for side, ns in sides.items()}
         (out_tl, err_tl), (out_nn, err_nn) = results["tl"], results["nnterp"]
         if err_tl is not None and err_nn is not None:
             rows.append((index, "skipped", f"fails on both sides: {describe(err_tl)}"))
@@ -524,22 +574,13 @@ def measure(notebook: str, cells: list[str], folder: str, root: str, processing:
             if verbose:
                 traceback.print_exception(err_nn, file=sys.stderr)
             continue
-        found = None
-        compared = 0
-        for name in sorted(names):
-            if name.startswith("__") or name not in sides["tl"]:
-                continue
-            a = comparable(sides["tl"][name])
-            if a is None:
-                continue
-            compared += 1
-            b = comparable(sides["nnterp"].get(name))
-            found = difference(a, b, name)
-            if found:
-                break
-        if not found:
-            found = text_difference(out_tl, out_nn)
-            compared += bool(out_tl.strip())
+        references = [(sides["tl"], out_tl)]
+        if "tl-processed" in sides and results["tl-processed"][1] is None:
+            references.append((sides["tl-processed"], results["tl-processed"][0]))
+        found, compared, processed = compare(names, references, sides["nnterp"], out_nn)
+        if not found and processed:
+            rows.append((index, "same", "some values as TransformerLens's with the notebook's weight processing"))
+            continue
         if found:
             rows.append((index, "differs", found))
             if verbose and found.startswith("stdout"):
@@ -575,7 +616,9 @@ def main(argv=None):
     parser.add_argument("--sae-rev", default="v6.18.0")
     parser.add_argument("--shapes", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--only", nargs="*", help="notebook names to keep (substrings)")
-    parser.add_argument("--tl-processing", default="none", choices=["none", "notebook"])
+    parser.add_argument("--tl-processing", default="both", choices=["none", "notebook", "both"],
+                        help="TransformerLens's weights unprocessed (none), processed as the notebook asks (notebook), "
+                             "or a cell agreeing with either (both, marked)")
     parser.add_argument("--cells", nargs="*", type=int, help="print these cells' rows only (all still run)")
     parser.add_argument("-v", "--verbose", action="store_true", help="every row, and nnterp's tracebacks")
     args = parser.parse_args(argv)
@@ -612,7 +655,7 @@ def main(argv=None):
                 for index, status, why in rows:
                     if args.cells and index not in args.cells:
                         continue
-                    if args.verbose or status != "same":
+                    if args.verbose or status != "same" or why:
                         print(f"  [{index:2d}] {status:8s} {why}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
