@@ -440,7 +440,8 @@ def _norm_point(model, name: str, layer: int | None, tail: str) -> Point:
         return scale_and_normalized(x, centred, eps)[index]
 
     how = TRANSFORMERLENS_COMPUTED.get(tail, "the final norm's " + tail.rpartition("_")[2])
-    return ComputedPoint(name, layer, _event(model, path, "input", name), compute, how, live)
+    # TransformerLens's order: the scale, then the input divided by it (after hook_mlp_in, which the norm reads)
+    return ComputedPoint(name, layer, _event(model, path, "input", name, after=index), compute, how, live)
 
 
 def _result_point(model, name: str, layer: int) -> Point:

@@ -111,3 +111,25 @@ def test_hook_pos_embed_has_the_batch_axis_transformerlens_broadcasts_it_to(gpt2
     close(wanted[0], plain[0])
     assert (wanted[1] - plain[1]).abs().max() > 1e-3
     close(logits, wanted)
+
+
+def test_hooks_on_every_name_are_called_in_transformerlens_order(models):
+    # the Main Demo prints the hook names a predicate hooks, as the pass calls them
+    _, ours, theirs = models
+    called = {"ours": [], "theirs": []}
+
+    def recorder(side):
+        def record(x, hook):
+            called[side].append(hook.name)
+        return record
+
+    first_block = lambda name: name.startswith("blocks.0.") or not name.startswith("blocks")  # noqa: E731
+    with torch.no_grad():
+        theirs.run_with_hooks(TEXT, return_type=None, fwd_hooks=[(first_block, recorder("theirs"))])
+        ours.run_with_hooks(TEXT, return_type=None, fwd_hooks=[(first_block, recorder("ours"))])
+    both = set(called["ours"]) & set(called["theirs"])
+    assert {"blocks.0.ln1.hook_scale", "blocks.0.ln1.hook_normalized", "blocks.0.ln2.hook_scale",
+            "blocks.0.ln2.hook_normalized", "blocks.0.hook_mlp_in", "blocks.0.attn.hook_z"} <= both
+    # the order of each name's first call (TransformerLens calls ln1's hooks once per query, key and value input)
+    first = {side: [n for n in dict.fromkeys(names) if n in both] for side, names in called.items()}
+    assert first["ours"] == first["theirs"]
