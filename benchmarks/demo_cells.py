@@ -290,6 +290,9 @@ class Loaders:
             return None
         if self.processing != "notebook":
             kwargs = {"disable_warnings": True, "no_processing": True}
+        elif getattr(model.cfg, "positional_embedding_type", None) == "rotary":
+            # TransformerLens refuses to refactor the QK circuit of a rotary model: the rest of the processing
+            kwargs.pop("refactor_factored_attn_matrices", None)
         return model.enable_compatibility_mode(**kwargs)
 
     def sae(self, kind: str, release=None, sae_id=None, *args, **kwargs):
