@@ -41,6 +41,7 @@ import tempfile
 import traceback
 import types
 import warnings
+import zlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -226,7 +227,7 @@ def random_sae(root: str, release: str, sae_id: str, d_model: int):
             metadata=SAEMetadata(hook_name=hook_name, model_name="gpt2-small", context_size=128, prepend_bos=True,
                                  dataset_path="local", sae_lens_training_version=None))
         sae = StandardSAE(cfg)
-        generator = torch.Generator().manual_seed(abs(hash(folder)) % 2**31)
+        generator = torch.Generator().manual_seed(zlib.crc32(os.path.basename(folder).encode()))  # run to run
         with torch.no_grad():
             for parameter in sae.parameters():
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
