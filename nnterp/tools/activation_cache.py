@@ -21,7 +21,7 @@ from ..spec.catalog import BY_NAME
 from ..spec.errors import ValueUnavailable
 from ..spec.locations import At
 from ..spec.selection import forward_order, layer_indices, value_name
-from . import hook_points
+from . import hook_passes, hook_points
 from .cache import ROUTING, ActivationCache
 from .hook_points import StandardPoint
 from .pass_arguments import (  # noqa: F401 - imported from here by the TransformerLens methods
@@ -270,7 +270,7 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                 padding_side, remove_batch_dim):
     """The pass with TransformerLens's hook points: those ``names_filter`` chooses (and ``names``'s standard values),
     cached under their names; the hooks of ``model.hooks(...)`` called on theirs."""
-    stop = None if stop_at_layer is None else hook_points.stop_block(model, stop_at_layer)
+    stop = None if stop_at_layer is None else hook_passes.stop_block(model, stop_at_layer)
     every = names_filter is None and names is None  # every standard value (and on a HookedTransformer every hook)
     hook_cache = getattr(model, "_nnterp_hook_cache", False)
     if every:
@@ -281,13 +281,13 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
                                                                   layer_indices(model, layers))
     # the attention internals: with every value, where they are on (on a HookedTransformer, on for the call)
     standard = _standard_points(model, names, layers, explicit=not every, internals=hook_cache or not every)
-    chosen = [point for point in chosen if hook_points.before_stop(point, stop)]
-    standard = [point for point in standard if hook_points.before_stop(point, stop)]
-    plan = hook_points.Plan()
+    chosen = [point for point in chosen if hook_passes.before_stop(point, stop)]
+    standard = [point for point in standard if hook_passes.before_stop(point, stop)]
+    plan = hook_passes.Plan()
     for point in [*chosen, *standard]:
         plan.add(point, keep=True)
-    for point, fn in hook_points.hooked_points(model, context_hooks):
-        if hook_points.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
+    for point, fn in hook_passes.hooked_points(model, context_hooks):
+        if hook_passes.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
             plan.add(point, fn)
     residual = None
     if stop is not None:  # the stream entering block `stop` (the last block's output after them)
@@ -299,8 +299,8 @@ def _run_hooked(model, prompts, names, layers, names_filter, context_hooks, stop
         _one_prompt(inputs["input_ids"])
     if model.family.ln_final is not None and stop is None:  # what the analyses read: the final norm's input and output
         plan.add(_ReadoutPoint(model), keep=True)
-    with hook_points.attention_for(model, plan.needs_attention), torch.no_grad(), model.trace(inputs):
-        kept = nnsight.save(plan.run(model))
+    with hook_passes.attention_for(model, plan.needs_attention), torch.no_grad(), model.trace(inputs):
+        kept = nnsight.save(plan.run(model, inputs["input_ids"].shape[0]))
         if residual is not None:
             stream = nnsight.save(residual.read(model).detach())
         elif return_type is not None:

@@ -102,6 +102,8 @@ class ActivationCache(CacheMethods):
         point = hook_points.point(self.model, name)  # a name the family has no value for says why
         if isinstance(point, StandardPoint):
             return self._standard(point.value, layer)
+        if isinstance(point, hook_points.ScoresPoint):  # TransformerLens's masked entries: -inf
+            return point.masked(self._standard("attention_scores", layer))
         which = tail.partition(".")[0]
         try:
             if tail.endswith("hook_scale"):

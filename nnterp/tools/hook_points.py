@@ -16,7 +16,6 @@ pass's values in that order, reads them whatever order they were given in.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable, Iterable
 
@@ -124,6 +123,7 @@ class Point:
 
     read_only = False
     needs_attention = False  # read inside the eager attention (model.enable_attention_values())
+    per_batch = False  # the model holds one row for the whole batch (the position embeddings): given one per prompt
 
     def __init__(self, name: str, layer: int | None, event: tuple):
         self.name, self.layer, self.event = name, layer, event
@@ -155,6 +155,30 @@ class StandardPoint(Point):
 
     def write(self, model, value):
         model.write_value(self.layer, self.value, value)
+
+
+class ScoresPoint(Point):
+    """TransformerLens's ``attn.hook_attn_scores``: the attention scores with the masked entries ``-inf``, as
+    TransformerLens masks them (transformers adds its dtype's lowest value instead). The reader gets that copy, and
+    an edit is written back with the ``-inf`` entries as the model's own mask value again, so that the model's
+    softmax (a padding query's row all masked included) runs as it does unhooked."""
+
+    copy = True
+    needs_attention = True
+
+    def __init__(self, scores: StandardPoint):
+        Point.__init__(self, scores.name, scores.layer, scores.event)
+        self.scores = scores
+
+    @staticmethod
+    def masked(scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))
+
+    def read(self, model):
+        return self.masked(self.scores.read(model))
+
+    def write(self, model, value):
+        self.scores.write(model, value.masked_fill(value.isneginf(), torch.finfo(value.dtype).min))
 
 
 class NativePoint(Point):
@@ -301,6 +325,8 @@ def _block_point(model, name: str, layer: int, tail: str) -> Point:
         return NativePoint(name, layer, _event(model, full, "output", name), full, "output")
     if tail == "hook_mlp_in":
         return _mlp_in(model, name, layer)
+    if tail == "attn.hook_attn_scores":
+        return ScoresPoint(_standard(model, name, layer, "attention_scores"))
     key = tail.removeprefix("hook_") if tail.startswith("hook_") else tail
     return _standard(model, name, layer, TRANSFORMERLENS_NAMES[key])
 
@@ -410,7 +436,8 @@ def _norm_point(model, name: str, layer: int | None, tail: str) -> Point:
         return scale_and_normalized(x, centred, eps)[index]
 
     how = TRANSFORMERLENS_COMPUTED.get(tail, "the final norm's " + tail.rpartition("_")[2])
-    return ComputedPoint(name, layer, _event(model, path, "input", name), compute, how, live)
+    # TransformerLens's order: the scale, then the input divided by it (after hook_mlp_in, which the norm reads)
+    return ComputedPoint(name, layer, _event(model, path, "input", name, after=index), compute, how, live)
 
 
 def _result_point(model, name: str, layer: int) -> Point:
@@ -448,140 +475,16 @@ def _model_point(model, name: str) -> Point:
         if path is None:
             raise _unavailable(model, name, f"{model.family.name} has no learned position embeddings (a table "
                                             "added to the token embeddings)")
-        return NativePoint(name, None, _event(model, path, "output", name), path, "output")
+        # TransformerLens adds them broadcast to the batch, [batch, pos, d_model]: a copy per prompt, written back
+        point = NativePoint(name, None, _event(model, path, "output", name), path, "output", copy=True)
+        point.per_batch = True
+        return point
     if name.startswith("unembed."):  # the head's input (the final norm's output) and its output, the logits
         path, side = model.family.lm_head, "input" if name == "unembed.hook_in" else "output"
         return NativePoint(name, None, _event(model, path, side, name), path, side)
     return _norm_point(model, name, None, name)
 
 
-
-
-
-# -- hooks: TransformerLens's functions called on the points, in one pass ----------------------------------------
-
-
-class HookContext:
-    """What a hook function is called with beside the tensor (TransformerLens's ``HookPoint``): ``hook.name`` the hook
-    name, ``hook.layer()`` its block, ``hook.ctx`` a dictionary the function may keep things in (kept from pass to
-    pass until ``model.reset_hooks()``)."""
-
-    def __init__(self, name: str, layer: int | None):
-        self.name, self._layer, self.ctx = name, layer, {}
-
-    def layer(self) -> int:
-        if self._layer is None:
-            raise ValueError(f"{self.name} is the model's own hook point, not a block's: it has no layer.")
-        return self._layer
-
-    def __repr__(self) -> str:
-        return f"HookContext({self.name!r})"
-
-
-def hooked_points(model, hooks) -> list[tuple[Point, Callable]]:
-    """``[(name or predicate, fn)]`` as ``[(point, fn)]``: a predicate is every hook name of the model it accepts."""
-    pairs = []
-    for entry in hooks:
-        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[1])):
-            raise HookError(f"A hook is a pair (name or predicate over names, fn(tensor, hook)), not {entry!r}.")
-        names, fn = entry
-        pairs.extend((point, fn) for point in points(model, names))
-    return pairs
-
-
-def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torch.Tensor:
-    """Inside a trace: call each of ``fns`` as ``fn(tensor, hook)`` on ``point``'s value, in order, each on what the
-    one before left; a returned tensor replaces the value (written to the model once, after them), None keeps the
-    tensor (edited in place, it reaches the model as an edit of the value does). A computed point refuses an edit."""
-    if not fns:
-        return value
-    context = HookContext(point.name, point.layer)
-    # TransformerLens keeps a hook point's ctx from pass to pass, until the hooks are reset with clear_contexts
-    context.ctx = model.__dict__.setdefault("_nnterp_hook_contexts", {}).setdefault(point.name, {})
-    before = value.clone() if point.read_only else None
-    current = value
-    for fn in fns:
-        result = fn(current, context)
-        if result is not None and result is not current:
-            if not isinstance(result, torch.Tensor):
-                raise HookError(f"A hook on {point.name} returned {type(result).__name__}: a hook returns a tensor "
-                                "(which replaces the value) or None (the value kept, edited in place or not).")
-            current = result
-    if point.read_only:
-        if not (torch.equal(value, before) and (current is value or torch.equal(current, before))):
-            raise point.refuse_edit()
-        return value
-    if current is not value or getattr(point, "copy", False):  # a copy's in-place edit reaches the model written back
-        point.write(model, current)
-    return current
-
-
-class Plan:
-    """The reads of one pass: each point once, in forward order, with the hook functions to call on it and whether
-    its value (after them) is kept."""
-
-    def __init__(self):
-        self._points: dict[str, Point] = {}
-        self._fns: dict[str, list[Callable]] = {}
-        self._kept: dict[str, bool] = {}
-
-    def add(self, point: Point, fn: Callable | None = None, keep: bool = False) -> None:
-        self._points.setdefault(point.name, point)
-        self._fns.setdefault(point.name, [])
-        if fn is not None:
-            self._fns[point.name].append(fn)
-        self._kept[point.name] = self._kept.get(point.name, False) or keep
-
-    @property
-    def needs_attention(self) -> bool:
-        return any(point.needs_attention for point in self._points.values())
-
-    def ordered(self) -> list[Point]:
-        return in_forward_order(list(self._points.values()))
-
-    def run(self, model) -> dict[str, torch.Tensor]:
-        """Inside a trace: every point read in forward order, its hooks applied; the kept values, detached."""
-        kept = {}
-        for point in self.ordered():
-            value = apply(model, point, point.read(model), self._fns[point.name])
-            if self._kept[point.name]:
-                kept[point.name] = value.detach() if isinstance(value, torch.Tensor) else value
-        return kept
-
-
-@contextlib.contextmanager
-def attention_for(model, needed: bool):
-    """``with attention_for(model, needed):`` the attention values on inside the block where ``needed`` (eager
-    attention), and as they were after it."""
-    turn_on = needed and not model._nnterp_attention_on
-    if turn_on:
-        model.enable_attention_values()
-    try:
-        yield model
-    finally:
-        if turn_on:
-            model.disable_attention_values()
-
-
-__all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookContext", "HookError", "NativePoint", "Plan", "Point",
-           "StandardPoint", "apply", "attention_for", "before_stop", "get_act_name", "has_rotary", "hook_names", "hooked_points",
-           "in_forward_order", "is_hook_name", "norm_form", "point", "points", "position_table",
-           "scale_and_normalized", "split_name", "standard_point"]
-
-
-def before_stop(point: Point, stop: int | None) -> bool:
-    """Whether ``point`` runs before block ``stop`` (TransformerLens's ``stop_at_layer``: the hooks past it are never
-    called): a block's before ``stop``, and the embeddings."""
-    if stop is None:
-        return True
-    return point.layer < stop if point.layer is not None else point.name in ("hook_embed", "hook_pos_embed")
-
-
-def stop_block(model, stop_at_layer: int) -> int:
-    """TransformerLens's ``stop_at_layer`` as the block the pass stops before (``num_layers``: after the last),
-    refused unless it is a block index from ``-num_layers`` to ``num_layers``."""
-    if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
-            -model.num_layers <= stop_at_layer <= model.num_layers):
-        raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
-                         f"not {stop_at_layer!r}.")
-    return stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
+__all__ = ["BLOCK_HOOKS", "MODEL_HOOKS", "ComputedPoint", "HookError", "NativePoint", "Point", "ScoresPoint",
+           "StandardPoint", "get_act_name", "has_rotary", "hook_names", "in_forward_order", "is_hook_name", "norm_form",
+           "point", "points", "position_table", "scale_and_normalized", "split_name", "standard_point"]

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..core.tokens import tokenized
 from ..spec.selection import forward_order, layer_indices, value_name
-from . import hook_points
+from . import hook_passes, hook_points
 from .refusals import refuse_unsupported
 
 PER_VALUE = {"position": None, "head": "attention_premix", "neuron": "mlp_neurons"}
@@ -197,8 +197,8 @@ def model_hooks(model) -> list:
 def _hooked_pass(model, ids: torch.Tensor, hooks: list, edits: dict, name: str, sources: dict | None):
     """One pass with the model's hooks and the patches ``edits`` (``{layer: [(rows, index)]}``, from ``sources``),
     every read in forward order: ``(logits, {layer: value})``, the values after the hooks and patches."""
-    plan = hook_points.Plan()
-    for point, fn in hook_points.hooked_points(model, hooks):
+    plan = hook_passes.Plan()
+    for point, fn in hook_passes.hooked_points(model, hooks):
         plan.add(point, fn)
     for layer, patches in edits.items():
         point = hook_points.standard_point(model, name, layer)
@@ -208,8 +208,8 @@ def _hooked_pass(model, ids: torch.Tensor, hooks: list, edits: dict, name: str, 
                 value[(rows, *index)] = sources[layer][(slice(None), *index)]
 
         plan.add(point, patch if patches else None, keep=True)
-    with torch.no_grad(), hook_points.attention_for(model, plan.needs_attention), model.trace(ids):
-        kept = nnsight.save(plan.run(model))
+    with torch.no_grad(), hook_passes.attention_for(model, plan.needs_attention), model.trace(ids):
+        kept = nnsight.save(plan.run(model, ids.shape[0]))
         logits = nnsight.save(model.logits)
     return logits, {layer: kept[hook_points.standard_point(model, name, layer).name] for layer in edits}
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import nnsight
 import torch
 
-from ...tools import hook_points
+from ...tools import hook_passes
 from ...tools.activation_cache import _inputs, _refuse_foreign_arguments, _returned, _standard_point, lm_loss
 
 BACKWARD = ("bwd_hooks are TransformerLens's backward hooks, which nnterp does not run. For gradients, save the "
@@ -72,7 +72,7 @@ def add_hook(model, name, hook: Callable, dir: str = "fwd", is_permanent: bool =
             raise TypeError(f"model.add_hook(..., dir='bwd'): {BACKWARD}")
         raise ValueError(f"dir is 'fwd' (or TransformerLens's 'bwd', which nnterp does not run), not {dir!r}.")
     _refuse_sae_entries(model, name)
-    hook_points.hooked_points(model, [(name, hook)])  # a bad name or function says so here, not at the next pass
+    hook_passes.hooked_points(model, [(name, hook)])  # a bad name or function says so here, not at the next pass
     entry = InstalledHook(name, hook, bool(is_permanent), level)
     installed = _installed(model)
     _publish(model, [entry, *installed] if prepend else [*installed, entry])
@@ -125,7 +125,7 @@ def hooks(model, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True, clear
     for entry in fwd_hooks:
         if isinstance(entry, (tuple, list)) and len(entry) == 2:
             _refuse_sae_entries(model, entry[0])
-    hook_points.hooked_points(model, fwd_hooks)  # a bad name or pair says so here, before any is added
+    hook_passes.hooked_points(model, fwd_hooks)  # a bad name or pair says so here, before any is added
     level = model.__dict__.get("_nnterp_hook_level", 0) + 1
     model.__dict__["_nnterp_hook_level"] = level
     try:
@@ -178,10 +178,10 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
     """The pass of ``run_with_hooks`` (and of a ``HookedTransformer``'s ``model(input)``)."""
     if return_type not in ("logits", "loss", "both", None):
         raise ValueError(f"return_type is one of 'logits', 'loss', 'both' or None, not {return_type!r}.")
-    stop = None if stop_at_layer is None else hook_points.stop_block(model, stop_at_layer)
-    plan = hook_points.Plan()
-    for point, fn in hook_points.hooked_points(model, fwd_hooks):
-        if hook_points.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
+    stop = None if stop_at_layer is None else hook_passes.stop_block(model, stop_at_layer)
+    plan = hook_passes.Plan()
+    for point, fn in hook_passes.hooked_points(model, fwd_hooks):
+        if hook_passes.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
             plan.add(point, fn)
     residual = None
     if stop is not None:
@@ -189,8 +189,8 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
                     else _standard_point(model, "layer_output", model.num_layers - 1))
         plan.add(residual)
     inputs = _inputs(model, input, prepend_bos, padding_side)
-    with hook_points.attention_for(model, plan.needs_attention), model.trace(inputs):
-        plan.run(model)
+    with hook_passes.attention_for(model, plan.needs_attention), model.trace(inputs):
+        plan.run(model, inputs["input_ids"].shape[0])
         if residual is not None:
             stream = nnsight.save(residual.read(model))
         elif return_type is not None:

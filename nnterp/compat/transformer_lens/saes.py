@@ -27,7 +27,7 @@ import torch
 from ...dictionaries import Dictionary, from_saelens, transformerlens_site
 from ...dictionaries.splicing import place, splice
 from ...tools.activation_cache import ActivationCache, run_with_cache
-from ...tools.hook_points import HookContext
+from ...tools.hook_passes import HookContext
 from .hooked_module import names_predicate
 
 # what SAELens's HookedSAETransformer caches of each SAE, under f"{hook name}.{entry}"

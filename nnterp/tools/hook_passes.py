@@ -1,0 +1,139 @@
+"""TransformerLens's hook functions called on the hook points (``nnterp.tools.hook_points``) in one pass: what a
+function is called with (``HookContext``), the functions of ``model.hooks(...)`` resolved to their points, and the
+plan that reads, calls and writes them back in forward order."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from .hook_points import HookError, Point, in_forward_order, points
+
+
+class HookContext:
+    """What a hook function is called with beside the tensor (TransformerLens's ``HookPoint``): ``hook.name`` the hook
+    name, ``hook.layer()`` its block, ``hook.ctx`` a dictionary the function may keep things in (kept from pass to
+    pass until ``model.reset_hooks()``)."""
+
+    def __init__(self, name: str, layer: int | None):
+        self.name, self._layer, self.ctx = name, layer, {}
+
+    def layer(self) -> int:
+        if self._layer is None:
+            raise ValueError(f"{self.name} is the model's own hook point, not a block's: it has no layer.")
+        return self._layer
+
+    def __repr__(self) -> str:
+        return f"HookContext({self.name!r})"
+
+
+def hooked_points(model, hooks) -> list[tuple[Point, Callable]]:
+    """``[(name or predicate, fn)]`` as ``[(point, fn)]``: a predicate is every hook name of the model it accepts."""
+    pairs = []
+    for entry in hooks:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[1])):
+            raise HookError(f"A hook is a pair (name or predicate over names, fn(tensor, hook)), not {entry!r}.")
+        names, fn = entry
+        pairs.extend((point, fn) for point in points(model, names))
+    return pairs
+
+
+def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torch.Tensor:
+    """Inside a trace: call each of ``fns`` as ``fn(tensor, hook)`` on ``point``'s value, in order, each on what the
+    one before left; a returned tensor replaces the value (written to the model once, after them), None keeps the
+    tensor (edited in place, it reaches the model as an edit of the value does). A computed point refuses an edit."""
+    if not fns:
+        return value
+    context = HookContext(point.name, point.layer)
+    # TransformerLens keeps a hook point's ctx from pass to pass, until the hooks are reset with clear_contexts
+    context.ctx = model.__dict__.setdefault("_nnterp_hook_contexts", {}).setdefault(point.name, {})
+    before = value.clone() if point.read_only else None
+    current = value
+    for fn in fns:
+        result = fn(current, context)
+        if result is not None and result is not current:
+            if not isinstance(result, torch.Tensor):
+                raise HookError(f"A hook on {point.name} returned {type(result).__name__}: a hook returns a tensor "
+                                "(which replaces the value) or None (the value kept, edited in place or not).")
+            current = result
+    if point.read_only:
+        if not (torch.equal(value, before) and (current is value or torch.equal(current, before))):
+            raise point.refuse_edit()
+        return value
+    if current is not value or getattr(point, "copy", False):  # a copy's in-place edit reaches the model written back
+        point.write(model, current)
+    return current
+
+
+class Plan:
+    """The reads of one pass: each point once, in forward order, with the hook functions to call on it and whether
+    its value (after them) is kept."""
+
+    def __init__(self):
+        self._points: dict[str, Point] = {}
+        self._fns: dict[str, list[Callable]] = {}
+        self._kept: dict[str, bool] = {}
+
+    def add(self, point: Point, fn: Callable | None = None, keep: bool = False) -> None:
+        self._points.setdefault(point.name, point)
+        self._fns.setdefault(point.name, [])
+        if fn is not None:
+            self._fns[point.name].append(fn)
+        self._kept[point.name] = self._kept.get(point.name, False) or keep
+
+    @property
+    def needs_attention(self) -> bool:
+        return any(point.needs_attention for point in self._points.values())
+
+    def ordered(self) -> list[Point]:
+        return in_forward_order(list(self._points.values()))
+
+    def run(self, model, batch: int | None = None) -> dict[str, torch.Tensor]:
+        """Inside a trace: every point read in forward order, its hooks applied; the kept values, detached. ``batch``:
+        the pass's number of prompts, to which a value the model holds once for all (``per_batch``) is expanded."""
+        kept = {}
+        for point in self.ordered():
+            value = point.read(model)
+            if point.per_batch and batch is not None:
+                value = value.expand(batch, *value.shape[1:]).clone()
+            value = apply(model, point, value, self._fns[point.name])
+            if self._kept[point.name]:
+                kept[point.name] = value.detach() if isinstance(value, torch.Tensor) else value
+        return kept
+
+
+@contextlib.contextmanager
+def attention_for(model, needed: bool):
+    """``with attention_for(model, needed):`` the attention values on inside the block where ``needed`` (eager
+    attention), and as they were after it."""
+    turn_on = needed and not model._nnterp_attention_on
+    if turn_on:
+        model.enable_attention_values()
+    try:
+        yield model
+    finally:
+        if turn_on:
+            model.disable_attention_values()
+
+
+def before_stop(point: Point, stop: int | None) -> bool:
+    """Whether ``point`` runs before block ``stop`` (TransformerLens's ``stop_at_layer``: the hooks past it are never
+    called): a block's before ``stop``, and the embeddings."""
+    if stop is None:
+        return True
+    return point.layer < stop if point.layer is not None else point.name in ("hook_embed", "hook_pos_embed")
+
+
+def stop_block(model, stop_at_layer: int) -> int:
+    """TransformerLens's ``stop_at_layer`` as the block the pass stops before (``num_layers``: after the last),
+    refused unless it is a block index from ``-num_layers`` to ``num_layers``."""
+    if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not (
+            -model.num_layers <= stop_at_layer <= model.num_layers):
+        raise ValueError(f"stop_at_layer is a block index from {-model.num_layers} to {model.num_layers}, "
+                         f"not {stop_at_layer!r}.")
+    return stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
+
+
+__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "hooked_points", "stop_block"]
