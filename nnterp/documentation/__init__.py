@@ -358,7 +358,7 @@ def _on_vllm(reasons: dict[str, int]) -> list[str]:
         name = "attention_output" if value.name == "mixer_output" else value.name
         place = family.values.get(name)
         if place is None:
-            reason = family.unavailable.get(name, "no place in vLLM's code")
+            reason = family.reason(name)
             return f"✗<sup>{reasons.setdefault(reason, len(reasons) + 1)}</sup>"
         return "∑" if isinstance(place, FusedStream) else "↻" if isinstance(place, FromKernel) else "✓"
 

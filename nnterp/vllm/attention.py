@@ -54,10 +54,9 @@ def scores(queries: torch.Tensor, keys: torch.Tensor, facts: dict) -> torch.Tens
     return out.masked_fill(later, torch.finfo(queries.dtype).min).to(queries.dtype).unsqueeze(0)
 
 
-def recomputed(envoy, place, name: str) -> torch.Tensor:
-    """Inside a trace: ``attention_scores`` or ``attention_probabilities`` of the block ``envoy`` belongs to."""
-    location = f"{envoy._nnterp_block_path}.{place.path}.input"
-    mediator = Mediator.current(location)
+def recomputed(envoy, name: str, location: str, mediator) -> torch.Tensor:
+    """Inside a trace: ``attention_scores`` or ``attention_probabilities`` of the block ``envoy`` belongs to, from
+    the kernel's inputs at ``location`` (``mediator``: this invoke's)."""
     args, _ = Mediator.value(location)
     if mediator.occurrence(location) != 0:  # visits before this one: 0 on the prompt's pass
         # not ValueUnavailable (an AttributeError: a property raising it would read as "no such attribute")

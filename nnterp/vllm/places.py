@@ -23,7 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..families.base import PARALLEL_NO_MID, ROUTED
-from ..spec.catalog import ATTENTION_INTERNALS
+from ..spec.catalog import ATTENTION_INTERNALS, value_named
+from ..spec.errors import ValueUnavailable
 from ..spec.locations import At
 
 FUSED, PLAIN = "fused", "plain"
@@ -91,6 +92,14 @@ class VLLMFamily:
     classes: tuple[str, ...] = ()
     # the config values vLLM's code for the family assumes: a config with others is refused before any engine starts
     requires: dict[str, object] = field(default_factory=dict)
+
+    def reason(self, name: str) -> str:
+        """Why the standard value ``name`` has no place in vLLM's code for this family."""
+        return self.unavailable.get(name, "it has no place in vLLM's code for this family")
+
+    def refusal(self, name: str) -> ValueUnavailable:
+        """The error reading the value ``name`` raises on this family, with its reason."""
+        return ValueUnavailable(value_named(name).key, f"{self.name} (vLLM)", self.reason(name))
 
     def rename(self) -> dict[str, str]:
         """nnsight aliases giving the standard module names (``model.layers``, ``layers[i].self_attn``, ...)."""
@@ -220,6 +229,8 @@ FAMILIES["OPT"] = VLLMFamily(
 # return (output, bias); the block then adds the attention output into the MLP's output in place.
 FAMILIES["Falcon"] = VLLMFamily(
     name="Falcon", shape=PLAIN, classes=("falcon.FalconForCausalLM",), layers="transformer.h",
+    # Falcon-7B's layout: parallel blocks with one norm, rotary positions
+    requires={"new_decoder_architecture": False, "parallel_attn": True, "alibi": False},
     embed_tokens="transformer.word_embeddings",
     ln_final="transformer.ln_f", attention="self_attention",
     values={
@@ -242,6 +253,7 @@ FAMILIES["Falcon"] = VLLMFamily(
 # modules add it inside themselves).
 FAMILIES["BLOOM"] = VLLMFamily(
     name="BLOOM", shape=PLAIN, classes=("bloom.BloomForCausalLM",), layers="transformer.h",
+    requires={"apply_residual_connection_post_layernorm": False},  # the residual before the norms (every release)
     embed_tokens="transformer.word_embeddings",
     ln_final="transformer.ln_f", attention="self_attention",
     values={
@@ -379,7 +391,6 @@ def sharded(family: VLLMFamily) -> VLLMFamily:
     """``family`` on a tensor-parallel engine: the values at module boundaries are whole (the stream is all-reduced;
     nnsight gathers the pieces at the parallel linear layers' boundaries), those at the attention kernel are one
     rank's heads, and are refused with the reason."""
-    kernel = [name for name, place in family.values.items() if isinstance(place, FromKernel) or (
-        isinstance(place, At) and place.path.endswith(".attn") and place.side == "input")]
+    kernel = [name for name in ATTENTION_INTERNALS if name in family.values]  # at the kernel (``_with_kernel``)
     return dataclasses.replace(family, values={k: v for k, v in family.values.items() if k not in kernel},
                                unavailable={**family.unavailable, **dict.fromkeys(kernel, KERNEL_SHARDED)})

@@ -27,7 +27,7 @@ from ..core.engine import ValueOutsideTrace
 from ..core.norms import declared_offset, norm_form
 from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import CATALOG, value_named
-from ..spec.errors import BadAssignment, ValueUnavailable
+from ..spec.errors import BadAssignment
 from . import tools
 from .attention import kernel_facts, recomputed, refuse_write
 from .places import FUSED, FromKernel, FusedStream, Place, VLLMFamily, served_family, sharded
@@ -89,8 +89,7 @@ def _place_of(envoy, name: str) -> Place:
     family: VLLMFamily = envoy._nnterp_family
     place = family.values.get(name)
     if place is None:
-        reason = family.unavailable.get(name, "it has no place in vLLM's code for this family")
-        raise ValueUnavailable(value_named(name).key, f"{family.name} (vLLM)", reason)
+        raise family.refusal(name)
     return place
 
 
@@ -114,7 +113,7 @@ def read_value(envoy, name: str) -> torch.Tensor:
     if isinstance(place, FusedStream):
         return read_stream(envoy, place, name, location, mediator)
     if isinstance(place, FromKernel):
-        return recomputed(envoy, place, name)
+        return recomputed(envoy, name, location, mediator)
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
     return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)), name)
@@ -274,17 +273,6 @@ class StandardizedVLLM(VLLM):
         family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
         if engine_kwargs.get("tensor_parallel_size", 1) > 1:
             family = sharded(family)
-        if config.model_type == "falcon" and (config.new_decoder_architecture or not config.parallel_attn or
-                                              config.alibi):
-            raise NotImplementedError(
-                "StandardizedVLLM places Falcon's values on its parallel blocks with one norm and rotary positions "
-                "only (Falcon-7B's layout; new_decoder_architecture, sequential blocks and ALiBi are not described in "
-                "nnterp/vllm/places.py). Use StandardizedTransformer for it.")
-        if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:
-            raise NotImplementedError(
-                "StandardizedVLLM places BLOOM's values with the residual taken before the norms only "
-                "(apply_residual_connection_post_layernorm=False, as in every released BLOOM). Use "
-                "StandardizedTransformer for it.")
         differs = {key: getattr(config, key, None) for key, want in family.requires.items()
                    if getattr(config, key, None) != want}
         if differs:
@@ -541,7 +529,7 @@ class StandardizedVLLM(VLLM):
             name = "attention_output" if value.name == "mixer_output" else value.name
             place = family.values.get(name)
             table[value.key] = (Availability(location=place.describe()) if place is not None else
-                                Availability(reason=family.unavailable.get(name, "no place in vLLM's code")))
+                                Availability(reason=family.reason(name)))
         return table
 
     def __repr__(self) -> str:

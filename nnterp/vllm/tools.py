@@ -14,7 +14,6 @@ import nnsight
 import torch
 
 from ..spec.catalog import ADDED, BY_NAME, STREAM
-from ..spec.errors import ValueUnavailable
 from ..spec.selection import layer_indices, value_name
 
 # nnterp's tools that StandardizedVLLM cannot run, and why (nnterp.tools.refusals asks at each tool's entry)
@@ -124,8 +123,7 @@ def _plan(model, names, layers) -> tuple[list[str], list[int], dict]:
     unavailable = {}
     for name in asked:
         if name not in family.values and name in BY_NAME and BY_NAME[name].owner in ("block", "self_attn", "mlp"):
-            error = ValueUnavailable(BY_NAME[name].key, f"{family.name} (vLLM)",
-                                     family.unavailable.get(name, "it has no place in vLLM's code for this family"))
+            error = family.refusal(name)
             if explicit:
                 raise error
             unavailable[name] = error

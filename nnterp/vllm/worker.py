@@ -23,21 +23,21 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 
-def _added(element: int | None, vector: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+def _added(vector: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     # as `value[:] += vector` computes it: in the promoted dtype, rounded once to the tensor's
     return torch.add(tensor, vector).to(tensor.dtype)
 
 
 def _steer_output(element: int | None, vector: torch.Tensor, module, args, output):
     if element is None or not isinstance(output, (tuple, list)):
-        return _added(element, vector, output)
-    return type(output)((*output[:element], _added(element, vector, output[element]), *output[element + 1:]))
+        return _added(vector, output)
+    return type(output)((*output[:element], _added(vector, output[element]), *output[element + 1:]))
 
 
 def _steer_input(element: int, vector: torch.Tensor, module, args, kwargs):
     if len(args) > element:
-        return (*args[:element], _added(element, vector, args[element]), *args[element + 1:]), kwargs
-    return args, {**kwargs, "hidden_states": _added(element, vector, kwargs["hidden_states"])}
+        return (*args[:element], _added(vector, args[element]), *args[element + 1:]), kwargs
+    return args, {**kwargs, "hidden_states": _added(vector, kwargs["hidden_states"])}
 
 
 class SpanBatcher(VLLMBatcher):
