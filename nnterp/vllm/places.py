@@ -26,6 +26,7 @@ from ..families.base import PARALLEL_NO_MID, ROUTED
 from ..spec.catalog import ATTENTION_INTERNALS, value_named
 from ..spec.errors import ValueUnavailable
 from ..spec.locations import At
+from ..spec.views import Times
 
 FUSED, PLAIN = "fused", "plain"
 
@@ -66,6 +67,8 @@ class FromKernel:
 
 Place = At | FusedStream | FromKernel  # where a value is read in vLLM's code
 
+_FUSED_GATE = ("vLLM's gated MLP computes act(gate) * up in one fused op (act_fn, SiluAndMul or GeluAndMul): "
+               "act(gate) alone is never a tensor; mlp_neurons is that op's output")
 _INTERNALS = ("vLLM computes the attention in its paged-attention kernel (queries, keys and values leave qkv_proj "
               "fused, are rotated inside the attention's forward and go to the KV cache): there is no module "
               "boundary for them, and the scores and probabilities never exist as tensors")
@@ -133,8 +136,7 @@ def _fused(name: str, classes: tuple[str, ...], *, attention_contribution: str =
     }
     return VLLMFamily(name=name, shape=FUSED, values=values, mlp=mlp, classes=classes, unavailable={
         **{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
-        "mlp_activation": "vLLM's gated MLP computes act(gate) * up in one fused op (act_fn, SiluAndMul or "
-                          "GeluAndMul): act(gate) alone is never a tensor; mlp_neurons is that op's output",
+        "mlp_activation": _FUSED_GATE,
         **({} if neurons else {"mlp_neurons": ROUTED.reason, "mlp_activation": ROUTED.reason}),
         **(unavailable or {}),
     })
@@ -293,6 +295,61 @@ FAMILIES["StableLM"] = VLLMFamily(
         "mlp_activation": "vLLM's gated MLP computes act(gate) * up in one fused op (SiluAndMul): act(gate) alone is "
                           "never a tensor; mlp_neurons is that op's output"},
 )
+
+# Cohere's parallel block (vLLM's commandr.py, Cohere and Cohere2): one norm feeds the attention and the MLP, the block
+# adds both to its input and returns (stream, its input); the norm returns (normed, residual) and has no bias.
+# vLLM's Cohere2 sliding layers attend to sliding_window + 1 positions (its training convention, says its code),
+# transformers' to sliding_window: past the window the two engines compute different models; the values here are
+# vLLM's own
+FAMILIES["Cohere"] = VLLMFamily(
+    name="Cohere", shape=PLAIN, classes=("commandr.CohereForCausalLM",),
+    requires={"use_qk_norm": False},  # the q/k norms of Command-R+ are not described here
+    values={
+        "layer_input": At("", "input", arg=1),  # layer(positions, hidden_states, residual)
+        "attention_norm_output": At("input_layernorm", "output"),
+        "mlp_norm_output": At("input_layernorm", "output"),  # one norm feeds both sublayers
+        "attention_premix": At("self_attn.o_proj", "input", heads=True),
+        "attention_output": At("self_attn", "output"),
+        "mlp_input": At("mlp", "input"),
+        "mlp_neurons": At("mlp.down_proj", "input"),
+        "mlp_output": At("mlp", "output"),
+        "layer_output": At("", "output"),
+    },
+    unavailable={"layer_mid": PARALLEL_NO_MID.reason, **{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+                 "mlp_activation": _FUSED_GATE},
+)
+
+
+def _times(name: str, classes: tuple[str, ...], *, mlp: str = "mlp", post_norms: tuple[str, str] | None = None, routed: bool = False) -> VLLMFamily:
+    """A sequential block whose code adds each contribution times the block's ``residual_multiplier`` (Granite's
+    muP), as transformers' does: the contributions are read as those products (the core's ``Times`` view, handed
+    back through the factor where edited), computed from the sublayer's output, or from the norm after it
+    (HyperCLOVAX's ``post_norm1`` / ``post_norm2``)."""
+    attention, mlp_out = post_norms or ("self_attn", mlp)
+    factor = (Times("residual_multiplier"),)
+    values = {
+        "layer_input": At("", "input", arg=1),  # layer(positions, hidden_states[, residual])
+        "attention_norm_output": At("input_layernorm", "output"),
+        "attention_premix": At("self_attn.o_proj", "input", heads=True),
+        "attention_output": At(attention, "output", views=factor),
+        "layer_mid": At("post_attention_layernorm", "input", shared=True),
+        "mlp_norm_output": At("post_attention_layernorm", "output"),
+        "mlp_input": At(mlp, "input"),
+        **({} if routed else {"mlp_neurons": At(f"{mlp}.down_proj", "input")}),
+        "mlp_output": At(mlp_out, "output", views=factor),
+        "layer_output": At("", "output"),  # the stream (element 0 where the block also returns its residual)
+    }
+    return VLLMFamily(name=name, shape=PLAIN, classes=classes, mlp=mlp, values=values, unavailable={
+        **{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+        "mlp_activation": ROUTED.reason if routed else _FUSED_GATE, **({"mlp_neurons": ROUTED.reason} if routed else {})})
+
+
+FAMILIES["Granite"] = _times("Granite", ("granite.GraniteForCausalLM",))
+FAMILIES["Granite-MoE"] = _times("Granite-MoE", ("granitemoe.GraniteMoeForCausalLM",), mlp="block_sparse_moe", routed=True)
+# HyperCLOVAX norms each sublayer's output (post_norm1, post_norm2: use_post_norm, every release) before the factor
+FAMILIES["HyperCLOVAX"] = dataclasses.replace(
+    _times("HyperCLOVAX", ("hyperclovax.HyperCLOVAXForCausalLM",), post_norms=("post_norm1", "post_norm2")),
+    requires={"use_post_norm": True})
 
 # served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)
 TRANSFORMERS_BACKEND = ("GPT-NeoX", "OLMo", "OLMo-2", "Phi")

@@ -74,12 +74,65 @@ def _tensor_of(place: Place, raw) -> torch.Tensor:
 
 def _viewed(envoy, place: Place, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
     """The flat slab of this invoke as ``[1, tokens, ...]`` (the backend's step), then through the location's views
-    (per head: the core's ``Heads``; the keys and values per key-value head), views of the same storage."""
+    (per head: the core's ``Heads``; the keys and values per key-value head), views of the same storage, but for a
+    ``fresh`` view's product (``Times``: Granite's contributions as the stream receives them)."""
     value = tensor.unsqueeze(0)
-    heads = envoy._nnterp_kernel["kv_heads"] if name in KV else envoy._nnterp_heads
     for view in place.views:
-        value = view.view(value, envoy, heads)
+        value = view.view(value, *_view_args(envoy, name))
     return value
+
+
+def _view_args(envoy, name: str) -> tuple:
+    """What the views are given: the block's envoy (the factors a ``Times`` view reads are the block's), the heads."""
+    heads = envoy._nnterp_kernel["kv_heads"] if name in KV else envoy._nnterp_heads
+    return envoy.__dict__.get("_nnterp_block", envoy), heads
+
+
+def _unviewed(envoy, place: Place, tensor: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tensor:
+    """The module's tensor (``tensor``'s layout) remade from the value ``value``, read through ``place``'s views from
+    ``tensor``: each view's ``unview``, last first (a ``Times`` view divides the edited elements by its factor)."""
+    stages = [tensor.unsqueeze(0)]
+    for view in place.views:
+        stages.append(view.view(stages[-1], *_view_args(envoy, name)))
+    for view, before in zip(reversed(place.views), reversed(stages[:-1])):
+        value = view.unview(value, before, *_view_args(envoy, name))
+    return value.reshape(tensor.shape)
+
+
+def _fresh(place: Place) -> bool:
+    """Whether the value is a product of the module's tensor (a ``fresh`` view), not a view of its storage."""
+    return any(view.fresh for view in place.views)
+
+
+class FreshAt:
+    """Host of a product's eproperty (``_fresh``): read through the views, handed back through their ``unview`` when
+    the trace moves on, so that an edit made in place reaches the model as an assignment does."""
+
+    def __init__(self, path: str, place: Place, envoy, name: str):
+        self.path, self.place, self.envoy, self.name = path, place, envoy, name
+
+
+def _fresh_view(host: FreshAt, raw) -> torch.Tensor:
+    return _viewed(host.envoy, host.place, _tensor_of(host.place, raw), host.name)
+
+
+def _fresh_back(host: FreshAt, value: torch.Tensor, raw):
+    return _rebuilt(host.place, raw, _unviewed(host.envoy, host.place, _tensor_of(host.place, raw), value, host.name))
+
+
+FRESH = {side: eproperty(key=side)(_fresh_view).transform(_fresh_back) for side in ("input", "output")}
+
+
+def _rebuilt(place: Place, raw, tensor: torch.Tensor):
+    """The module's output, or its ``(args, kwargs)``, with the place's element replaced by ``tensor``."""
+    if place.side == "input":
+        args, kwargs = raw
+        if len(args) > place.arg:
+            return (*args[: place.arg], tensor, *args[place.arg + 1:]), kwargs
+        return args, {**kwargs, place.kwarg: tensor}
+    if isinstance(raw, (tuple, list)):
+        return (*raw[:place.index], tensor, *raw[place.index + 1:])
+    return tensor
 
 
 KV = ("keys", "values")  # per key-value head (fewer than the query heads with grouped-query attention)
@@ -116,6 +169,8 @@ def read_value(envoy, name: str) -> torch.Tensor:
         return recomputed(envoy, name, location, mediator)
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
+    if _fresh(place):
+        return FRESH[place.side].__get__(FreshAt(location.rpartition(".")[0], place, envoy, name))
     return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)), name)
 
 
@@ -144,21 +199,13 @@ def write_value(envoy, name: str, value) -> None:
     if value.dtype != current.dtype or value.device != current.device:
         raise BadAssignment(f"'{key}' is {current.dtype} on {current.device}; the assigned tensor is {value.dtype} "
                             f"on {value.device}: convert it first (value.to(...)).")
-    flat = value.reshape(current.shape)
+    flat = _unviewed(envoy, place, current, value, name) if _fresh(place) else value.reshape(current.shape)
     if fused:
         Mediator.swap(location, stream.with_stream(raw, flat))
     elif place.shared:
         current.copy_(flat)
-    elif place.side == "input":
-        args, kwargs = raw
-        if len(args) > place.arg:
-            Mediator.swap(location, ((*args[: place.arg], flat, *args[place.arg + 1:]), kwargs))
-        else:
-            Mediator.swap(location, (args, {**kwargs, place.kwarg: flat}))
-    elif isinstance(raw, (tuple, list)):
-        Mediator.swap(location, (*raw[:place.index], flat, *raw[place.index + 1:]))
     else:
-        Mediator.swap(location, flat)
+        Mediator.swap(location, _rebuilt(place, raw, flat))
 
 
 def _standard(name: str) -> property:
@@ -273,8 +320,10 @@ class StandardizedVLLM(VLLM):
         family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
         if engine_kwargs.get("tensor_parallel_size", 1) > 1:
             family = sharded(family)
+        # a flag the config does not hold is off, as vLLM's code reads it (Cohere2's configs have no use_qk_norm)
         differs = {key: getattr(config, key, None) for key, want in family.requires.items()
-                   if getattr(config, key, None) != want}
+                   if (bool(getattr(config, key, False)) if isinstance(want, bool) else getattr(config, key, None))
+                   != want}
         if differs:
             raise NotImplementedError(
                 f"StandardizedVLLM places {family.name}'s values as vLLM's code computes them, which assumes "
@@ -309,6 +358,7 @@ class StandardizedVLLM(VLLM):
                 envoy._nnterp_heads = config.num_attention_heads
                 envoy._nnterp_kernel = kernels[layer]
                 envoy._nnterp_last = layer == self.num_layers - 1
+                envoy._nnterp_block = block  # whose attributes the views read (a Times view's factor)
 
     def _load_meta(self, *args: Any, **kwargs: Any):
         with _cpu_meta_build():
@@ -398,7 +448,8 @@ class StandardizedVLLM(VLLM):
             wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
             normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
         else:  # LayerNorm
-            normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight, norm.bias, eps)
+            normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight,
+                                                    getattr(norm, "bias", None), eps)  # Cohere's has none
         logits = normed @ head.weight[: self.vocab_size].T
         bias = getattr(head, "bias", None)
         if bias is not None:
@@ -480,7 +531,8 @@ class StandardizedVLLM(VLLM):
         if isinstance(place, FromKernel):
             raise ValueError(f"steered_generate adds to a value the model computes; {name} is recomputed on vLLM "
                              "from the queries and keys (its kernel never materializes it): steer those instead.")
-        if place is None or place.copy or place.shared or place.heads or vector.numel() != self.hidden_size:
+        if place is None or place.copy or place.shared or place.heads or _fresh(place) or \
+                vector.numel() != self.hidden_size:
             return None
         if getattr(self, "taps", None):  # an engine replaying CUDA graphs runs no forward hook: steer in a trace
             return None

@@ -45,6 +45,8 @@ def test_a_placement_agrees_with_its_family_spec(name):
             if isinstance(place, At) and isinstance(location, At):  # the value's layout is the spec's
                 assert place.heads == location.heads, f"{name}: {value} per head on one engine only"
                 assert not place.op, f"{name}: {value} at an operation: vLLM's blocks are read at module boundaries"
+                # a product the block's code computes (Granite's contributions times its factor) on both engines
+                assert [v for v in place.views if v.fresh] == [v for v in location.views if v.fresh], (name, value)
         elif on_transformers:
             assert placed.unavailable.get(value), f"{name}: {value} neither placed on vLLM nor said unavailable"
     # the attention's internals at the kernel's inputs (vLLM's Attention(q, k, v)), the scores and probabilities

@@ -24,6 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
+# Granite's muP factors (the stream scaled at the embedding, each contribution by residual_multiplier)
+MUP = dict(SMALL, embedding_multiplier=4.0, residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=3.0)
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
@@ -53,6 +55,14 @@ CONFIGS = {
                                                 bos_token_id=2, eos_token_id=2, pad_token_id=1),
     "bloom": lambda: transformers.BloomConfig(n_layer=3, hidden_size=128, n_head=4, vocab_size=128,
                                               bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    "cohere": lambda: transformers.CohereConfig(**SMALL, logit_scale=0.5),
+    # vLLM's Cohere2 sliding layers attend to sliding_window + 1 positions, transformers' to sliding_window: the
+    # engines compute different models past the window, so the window here is longer than the prompt and its steps
+    "cohere2": lambda: transformers.Cohere2Config(**SMALL, logit_scale=0.5, sliding_window=16,
+                                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "granite": lambda: transformers.GraniteConfig(**MUP),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(**MUP, num_local_experts=4, num_experts_per_tok=2),
+    "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**MUP),
     "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             bos_token_id=2, eos_token_id=2, pad_token_id=1),
 }
@@ -105,7 +115,21 @@ BLOOM_HOOKS = {  # transformers' attention and MLP add the residual inside: thei
     "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp.dense_4h_to_h", "output"),
     "layer_output": ("", "output"),
 }
-HOOKS = {"bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
+COHERE_HOOKS = {  # in forward order: one norm's output feeds both sublayers
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "mlp_norm_output": ("input_layernorm", "output"), "attention_premix": ("self_attn.o_proj", "input"),
+    "attention_output": ("self_attn", "output"), "mlp_input": ("mlp", "input"),
+    "mlp_neurons": ("mlp.down_proj", "input"), "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+# a third element: the block attribute the block's code multiplies the tensor by before adding it to the stream
+GRANITE_HOOKS = {**LLAMA_HOOKS, "attention_output": ("self_attn", "output", "residual_multiplier"),
+                 "mlp_output": ("mlp", "output", "residual_multiplier")}
+GRANITE_MOE_HOOKS = {**GRANITE_HOOKS, "mlp_input": ("block_sparse_moe", "input"),
+                     "mlp_output": ("block_sparse_moe", "output", "residual_multiplier")}
+HYPERCLOVAX_HOOKS = {**GRANITE_HOOKS, "attention_output": ("post_norm1", "output", "residual_multiplier"),
+                     "mlp_output": ("post_norm2", "output", "residual_multiplier")}
+HOOKS = {"bloom": BLOOM_HOOKS, "cohere": COHERE_HOOKS, "cohere2": COHERE_HOOKS, "granite": GRANITE_HOOKS,
+         "granitemoe": GRANITE_MOE_HOOKS, "hyperclovax": HYPERCLOVAX_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
          "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
          "mlp_neurons": "mlp", "mlp_output": "mlp"}
@@ -151,23 +175,27 @@ def hooked(model, ids, hooks, edit=None):
     tensor where it is the ``stream`` the block also keeps as its residual, which a returned value would not reach)."""
     seen, handles = {}, []
     for i, block in enumerate(blocks_of(model)):
-        for name, (path, side) in hooks.items():
+        for name, (path, side, *factor) in hooks.items():
             try:
                 module = block.get_submodule(path) if path else block
             except AttributeError:  # a value the family does not have (a mixture of experts' down projection)
                 continue
+            times = getattr(block, factor[0]) if factor else None
 
-            def record(_module, args, kwargs_or_out, out=None, i=i, name=name, side=side):
+            def record(_module, args, kwargs_or_out, out=None, i=i, name=name, side=side, times=times):
                 tensor = (args[0] if args else kwargs_or_out["hidden_states"]) if side == "input" else first(out)
-                seen[(i, name)] = tensor.detach().clone()
+                seen[(i, name)] = (tensor.detach() if times is None else tensor.detach() * times).clone()
             if side == "input":
                 handles.append(module.register_forward_pre_hook(lambda m, a, k, f=record: f(m, a, k), with_kwargs=True))
             else:
                 handles.append(module.register_forward_hook(lambda m, a, o, f=record: f(m, a, None, o)))
     if edit is not None:
-        layer, path, side, fn, stream = edit
+        layer, (path, side, *factor), fn, stream = edit
         block = blocks_of(model)[layer]
         module = block.get_submodule(path) if path else block
+        if factor:  # the edit is of the product the stream receives: the module's output is that edit divided back
+            times, unscaled = getattr(block, factor[0]), fn
+            fn = lambda t: unscaled(t * times) / times  # noqa: E731
         if side == "output":
             def change(_m, _a, out):
                 return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
@@ -198,6 +226,12 @@ def readout(model, hidden):
     else:
         norm = model.model.decoder.final_layer_norm if hasattr(model.model, "decoder") else model.model.norm
     logits = model.get_output_embeddings()(norm(hidden))
+    if model.config.model_type == "granite" or model.config.model_type == "granitemoe":
+        logits = logits / model.config.logits_scaling
+    elif model.config.model_type == "hyperclovax":
+        logits = logits * model.config.logits_scaling
+    elif model.config.model_type.startswith("cohere"):
+        logits = logits * model.config.logit_scale
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -279,9 +313,8 @@ def main(family: str) -> dict:
             else:
                 setattr(owner, name, getattr(owner, name) * 0.5 + 3 * direction)
             edited = model.logits.save()
-        path, side = hf_paths[name]
         fn = (lambda t: t + 3 * direction) if how == "inplace" else (lambda t: t * 0.5 + 3 * direction)
-        expected, _ = hooked(hf, PROMPT, hooks, edit=(layer, path, side, fn, name == "layer_mid"))
+        expected, _ = hooked(hf, PROMPT, hooks, edit=(layer, hf_paths[name], fn, name == "layer_mid"))
         edits[f"{layer}.{name}.{how}"] = {"diff": float((edited - expected).abs().max()),
                                           "moved": float((expected - ref_logits).abs().max())}
     result["edits"] = edits
@@ -330,11 +363,13 @@ def main(family: str) -> dict:
     result["steered_in_a_trace"] = list(traced[0].outputs[0].token_ids)
     # a contribution steered (a module's own output): against the same addition by a hook on transformers' module
     if "mlp_output" in available:
-        path, side = hooks["mlp_output"]
+        path, side, *factor = hooks["mlp_output"]
         scaled = vector / 2
         ids = model.steered_generate(PROMPT, [0, 1], scaled, value="mlp_output", max_new_tokens=steps)
+        # added to the module's output: divided by the factor the block multiplies it by, where it does
+        module_added = [scaled / getattr(blocks_of(hf)[i], factor[0]) if factor else scaled for i in (0, 1)]
         handles = [(blocks_of(hf)[i].get_submodule(path) if path else blocks_of(hf)[i]).register_forward_hook(
-            lambda _m, _a, out: (out[0] + scaled, *out[1:]) if isinstance(out, tuple) else out + scaled)
+            lambda _m, _a, out, add=module_added[i]: (out[0] + add, *out[1:]) if isinstance(out, tuple) else out + add)
             for i in (0, 1)]
         try:
             result["expected_steered_mlp"] = greedy(hf, PROMPT, steps)
