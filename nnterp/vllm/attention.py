@@ -30,6 +30,7 @@ def kernel_facts(kernel: torch.nn.Module) -> dict:
         slopes = _get_alibi_slopes(kernel.num_heads)
     softcap = getattr(impl, "logits_soft_cap", None)
     return {"heads": kernel.num_heads, "kv_heads": kernel.num_kv_heads, "head_dim": kernel.head_size,
+            "sinks": getattr(impl, "sinks", None) is not None,  # GPT-OSS's: one logit per head joins the softmax
             "value_dim": getattr(kernel, "head_size_v", kernel.head_size), "scale": float(impl.scale),
             "softcap": float(softcap) if softcap else None, "window": getattr(kernel, "sliding_window", None),
             "slopes": None if slopes is None else [float(s) for s in torch.as_tensor(slopes).flatten()]}
@@ -66,7 +67,12 @@ def recomputed(envoy, name: str, location: str, mediator) -> torch.Tensor:
             "budget) the attention reads the earlier keys from the paged KV cache, which no module boundary holds. "
             "Read it on the prompt's pass (step 0).")
     out = scores(args[0], args[1], envoy._nnterp_kernel)
-    if name == "attention_probabilities":
+    if name == "attention_probabilities" and envoy._nnterp_kernel.get("sinks"):
+        # the softmax over the scores and the head's sink logit, the sink's column then dropped (transformers' eager
+        # attention of GPT-OSS): a row sums to less than 1 by what the sink took
+        sinks = envoy._module.sinks.float().view(1, -1, 1, 1).expand(*out.shape[:-1], 1)
+        out = torch.cat([out.float(), sinks], dim=-1).softmax(dim=-1)[..., :-1].to(args[0].dtype)
+    elif name == "attention_probabilities":
         out = out.float().softmax(dim=-1).to(args[0].dtype)
     return out
 

@@ -351,6 +351,26 @@ FAMILIES["HyperCLOVAX"] = dataclasses.replace(
     _times("HyperCLOVAX", ("hyperclovax.HyperCLOVAXForCausalLM",), post_norms=("post_norm1", "post_norm2")),
     requires={"use_post_norm": True})
 
+# GPT-OSS: Llama's fused stream, but a block is called layer(hidden, positions, residual); the attention (`attn`,
+# with one sink logit per head in its kernel) and the routed MLP (`mlp`: router, then the fused experts)
+FAMILIES["GPT-OSS"] = VLLMFamily(
+    name="GPT-OSS", shape=FUSED, classes=("gpt_oss.GptOssForCausalLM",), embed_tokens="model.embedding",
+    attention="attn",
+    values={
+        "layer_input": FusedStream("", "input", (0, 2)),
+        "attention_norm_output": At("input_layernorm", "output"),
+        "attention_premix": At("attn.o_proj", "input", heads=True),
+        "attention_output": At("attn", "output"),
+        "layer_mid": FusedStream("post_attention_layernorm", "input", (0, 1)),
+        "mlp_norm_output": At("post_attention_layernorm", "output"),
+        "mlp_input": At("mlp", "input"),
+        "mlp_output": At("mlp", "output"),
+        "layer_output": FusedStream("", "output", (0, 1)),
+    },
+    unavailable={**{internal: _INTERNALS for internal in ATTENTION_INTERNALS},
+                 "mlp_neurons": ROUTED.reason, "mlp_activation": ROUTED.reason},
+)
+
 # served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)
 TRANSFORMERS_BACKEND = ("GPT-NeoX", "OLMo", "OLMo-2", "Phi")
 

@@ -63,6 +63,8 @@ CONFIGS = {
     "granite": lambda: transformers.GraniteConfig(**MUP),
     "granitemoe": lambda: transformers.GraniteMoeConfig(**MUP, num_local_experts=4, num_experts_per_tok=2),
     "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**MUP),
+    "gpt_oss": lambda: transformers.GptOssConfig(**SMALL, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=4),
     "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             bos_token_id=2, eos_token_id=2, pad_token_id=1),
 }

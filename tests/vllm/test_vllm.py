@@ -30,13 +30,13 @@ needs_vllm = pytest.mark.skipif(
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
             "phi3", "stablelm", "glm4", "gptj", "cohere", "cohere2", "granite", "granitemoe", "hyperclovax",
-            "falcon", "bloom", "opt", "gpt2"]
+            "gpt_oss", "falcon", "bloom", "opt", "gpt2"]
 # the values a family has no place for in vLLM's code (beyond the attention internals), and a word of the reason
 UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp_neurons": "experts"},
                "qwen3_moe": {"mlp.mlp_neurons": "experts"}, "olmoe": {"mlp.mlp_neurons": "experts"},
                "gptj": {"layer_mid": "parallel"}, "falcon": {"layer_mid": "parallel"},
                "cohere": {"layer_mid": "parallel"}, "cohere2": {"layer_mid": "parallel"},
-               "granitemoe": {"mlp.mlp_neurons": "experts"}}
+               "granitemoe": {"mlp.mlp_neurons": "experts"}, "gpt_oss": {"mlp.mlp_neurons": "experts"}}
 INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 FLOAT32 = 1e-5  # float32 rounding between two implementations of the same model (relative to the value's size)
 
