@@ -1,7 +1,7 @@
 """The attention's scores and probabilities on vLLM, which its paged-attention kernel never materializes: recomputed
 inside the trace from the queries and keys entering the kernel (``Attention(q, k, v)``, the queries and keys already
-rotated), with the kernel's own scale, softcap, sliding window, ALiBi slopes and causal mask, as transformers' eager
-attention computes them (the masked scores at the dtype's minimum, the softmax in float32).
+rotated), with the kernel's own scale, softcap, sliding window or chunks, ALiBi slopes, sinks and causal mask, as
+transformers' eager attention computes them (the masked scores at the dtype's minimum, the softmax in float32).
 
 They exist for the prompt's own pass: a later step (a generated token, or a prompt longer than one step's token
 budget) reads the earlier keys from the paged KV cache, which no module boundary holds.
@@ -33,6 +33,7 @@ def kernel_facts(kernel: torch.nn.Module) -> dict:
             "sinks": getattr(impl, "sinks", None) is not None,  # GPT-OSS's: one logit per head joins the softmax
             "value_dim": getattr(kernel, "head_size_v", kernel.head_size), "scale": float(impl.scale),
             "softcap": float(softcap) if softcap else None, "window": getattr(kernel, "sliding_window", None),
+            "chunk": getattr(kernel, "attention_chunk_size", None),  # Llama 4's chunked local attention
             "slopes": None if slopes is None else [float(s) for s in torch.as_tensor(slopes).flatten()]}
 
 
@@ -52,6 +53,8 @@ def scores(queries: torch.Tensor, keys: torch.Tensor, facts: dict) -> torch.Tens
     later = position.view(1, -1) > position.view(-1, 1)
     if facts["window"]:
         later = later | (position.view(-1, 1) - position.view(1, -1) >= facts["window"])
+    if facts.get("chunk"):  # a query attends to the keys of its own chunk only
+        later = later | (position.view(-1, 1) // facts["chunk"] != position.view(1, -1) // facts["chunk"])
     return out.masked_fill(later, torch.finfo(queries.dtype).min).to(queries.dtype).unsqueeze(0)
 
 

@@ -26,7 +26,7 @@ from ..families.base import PARALLEL_NO_MID, ROUTED
 from ..spec.catalog import ATTENTION_INTERNALS, value_named
 from ..spec.errors import ValueUnavailable
 from ..spec.locations import At
-from ..spec.views import Times
+from ..spec.views import Times, View
 
 FUSED, PLAIN = "fused", "plain"
 
@@ -371,6 +371,34 @@ FAMILIES["GPT-OSS"] = VLLMFamily(
                  "mlp_neurons": ROUTED.reason, "mlp_activation": ROUTED.reason},
 )
 
+class HalvesInterleaved(View):
+    """A head's query or key in transformers' order, where vLLM's loader reorders each head's rows of the query and
+    key projections (Llama 4's: the pairs its rotary rotates, (x0, x1), (x2, x3), ..., moved into two halves for
+    its kernel): the halves interleaved back, a new tensor, handed back through the inverse order where edited."""
+
+    name = "halves_interleaved"
+    rank = 65  # after the heads' view
+    fresh = True
+
+    def view(self, tensor, block, heads):
+        return tensor.unflatten(-1, (2, tensor.shape[-1] // 2)).transpose(-1, -2).flatten(-2)
+
+    def unview(self, value, tensor, block, heads):
+        return value.unflatten(-1, (value.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+    def describe(self) -> str:
+        return " (each head's halves interleaved back: transformers' order)"
+
+
+# Llama 4: Llama's fused stream with the MLP at feed_forward, a routed mixture on the moe_layers and the gated MLP on
+# the others; a placement holds for every block of a family, so mlp_neurons is refused on all, saying where to read it
+FAMILIES["Llama 4"] = _fused("Llama 4", ("llama4.Llama4ForCausalLM",), mlp="feed_forward", neurons=None, unavailable={
+    reason: "vLLM's Llama 4 alternates routed blocks (each token runs its own experts: no single activation) and "
+            "dense ones (the gated MLP, act(gate) * up fused in one op); one placement serves every block, so it is "
+            "not placed: on a dense block, read feed_forward.down_proj's input natively"
+    for reason in ("mlp_neurons", "mlp_activation")})
+KERNEL_VIEWS = {"Llama 4": (HalvesInterleaved(),)}  # what a family's queries and keys are read through, at the kernel
+
 # served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)
 TRANSFORMERS_BACKEND = ("GPT-NeoX", "OLMo", "OLMo-2", "Phi")
 
@@ -443,7 +471,9 @@ def _with_kernel(family: VLLMFamily) -> VLLMFamily:
     (keys and values per key-value head), and the scores and probabilities recomputed from them; in forward order,
     before the heads' mixed output."""
     kernel = f"{family.attention}.attn"
-    internals = {"queries": At(kernel, "input", arg=0, heads=True), "keys": At(kernel, "input", arg=1, heads=True),
+    order = KERNEL_VIEWS.get(family.name, ())
+    internals = {"queries": At(kernel, "input", arg=0, heads=True, views=order),
+                 "keys": At(kernel, "input", arg=1, heads=True, views=order),
                  "values": At(kernel, "input", arg=2, heads=True), "attention_scores": FromKernel(kernel),
                  "attention_probabilities": FromKernel(kernel)}
     values = {}

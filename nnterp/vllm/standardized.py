@@ -82,8 +82,7 @@ def _viewed(envoy, place: Place, tensor: torch.Tensor, name: str = "") -> torch.
     return value
 
 
-def _view_args(envoy, name: str) -> tuple:
-    """What the views are given: the block's envoy (the factors a ``Times`` view reads are the block's), the heads."""
+def _view_args(envoy, name: str) -> tuple:  # the block's envoy (a Times view's factor is the block's), the heads
     heads = envoy._nnterp_kernel["kv_heads"] if name in KV else envoy._nnterp_heads
     return envoy.__dict__.get("_nnterp_block", envoy), heads
 
@@ -105,8 +104,7 @@ def _fresh(place: Place) -> bool:
 
 
 class FreshAt:
-    """Host of a product's eproperty (``_fresh``): read through the views, handed back through their ``unview`` when
-    the trace moves on, so that an edit made in place reaches the model as an assignment does."""
+    """Host of a product's eproperty (``_fresh``): handed back through the views' ``unview`` as the trace moves on."""
 
     def __init__(self, path: str, place: Place, envoy, name: str):
         self.path, self.place, self.envoy, self.name = path, place, envoy, name
@@ -120,7 +118,8 @@ def _fresh_back(host: FreshAt, value: torch.Tensor, raw):
     return _rebuilt(host.place, raw, _unviewed(host.envoy, host.place, _tensor_of(host.place, raw), value, host.name))
 
 
-FRESH = {side: eproperty(key=side)(_fresh_view).transform(_fresh_back) for side in ("input", "output")}
+# one per element: nnsight answers a read with the write-back waiting on the same eproperty (queries' for the keys)
+FRESH = {(side, i): eproperty(key=side)(_fresh_view).transform(_fresh_back) for side in ("input", "output") for i in range(4)}
 
 
 def _rebuilt(place: Place, raw, tensor: torch.Tensor):
@@ -170,7 +169,8 @@ def read_value(envoy, name: str) -> torch.Tensor:
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
     if _fresh(place):
-        return FRESH[place.side].__get__(FreshAt(location.rpartition(".")[0], place, envoy, name))
+        fresh = FRESH[place.side, place.arg if place.side == "input" else place.index]
+        return fresh.__get__(FreshAt(location.rpartition(".")[0], place, envoy, name))
     return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)), name)
 
 

@@ -65,6 +65,11 @@ CONFIGS = {
     "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**MUP),
     "gpt_oss": lambda: transformers.GptOssConfig(**SMALL, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                                                  sliding_window=4),
+    "llama4_text": lambda: transformers.Llama4TextConfig(**{**SMALL, "intermediate_size": 64}, head_dim=32,
+                                                         intermediate_size_mlp=256, num_local_experts=4,
+                                                         # vLLM's chunks are whole KV blocks (128 tokens here)
+                                                         interleave_moe_layer_step=2, attention_chunk_size=128,
+                                                         no_rope_layer_interval=2),
     "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             bos_token_id=2, eos_token_id=2, pad_token_id=1),
 }
@@ -130,7 +135,9 @@ GRANITE_MOE_HOOKS = {**GRANITE_HOOKS, "mlp_input": ("block_sparse_moe", "input")
                      "mlp_output": ("block_sparse_moe", "output", "residual_multiplier")}
 HYPERCLOVAX_HOOKS = {**GRANITE_HOOKS, "attention_output": ("post_norm1", "output", "residual_multiplier"),
                      "mlp_output": ("post_norm2", "output", "residual_multiplier")}
-HOOKS = {"bloom": BLOOM_HOOKS, "cohere": COHERE_HOOKS, "cohere2": COHERE_HOOKS, "granite": GRANITE_HOOKS,
+LLAMA4_HOOKS = {**LLAMA_HOOKS, "mlp_input": ("feed_forward", "input"), "mlp_output": ("feed_forward", "output")}
+del LLAMA4_HOOKS["mlp_neurons"]
+HOOKS = {"bloom": BLOOM_HOOKS, "llama4_text": LLAMA4_HOOKS, "cohere": COHERE_HOOKS, "cohere2": COHERE_HOOKS, "granite": GRANITE_HOOKS,
          "granitemoe": GRANITE_MOE_HOOKS, "hyperclovax": HYPERCLOVAX_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
          "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
@@ -487,6 +494,25 @@ def main(family: str) -> dict:
             float((got[(i, "attention_probabilities")] - patterns[i]).abs().max()) for i in layers)}
     except Exception as error:  # noqa: BLE001 - reported to the test
         result["internals"] = f"{type(error).__name__}: {error}"
+    # a query edited in place reaches the kernel in the order it is read: head 0's query set to u at every position,
+    # the kernel's own output for head 0 is the softmax of u . keys (the keys as the unedited pass read them, scaled
+    # as the kernel scales) mixing the values as read
+    try:
+        u = torch.randn(got[(0, "queries")].shape[-1], generator=torch.Generator().manual_seed(3))
+        keys, values = got[(0, "keys")], got[(0, "values")]
+        with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            attention = model.layers[0].self_attn
+            attention.queries[:, :, 0] = u
+            premix = attention.attention_premix.clone().save()
+        facts = model.layers[0].self_attn._nnterp_kernel
+        logits = (keys[0, :, 0] @ u) * facts["scale"]  # [key]: every query attends with u to the same keys
+        if facts["softcap"]:
+            logits = torch.tanh(logits / facts["softcap"]) * facts["softcap"]
+        want = torch.stack([logits[: q + 1].softmax(-1) @ values[0, : q + 1, 0] for q in range(len(PROMPT))])
+        result["query_edit"] = {"diff": float((premix[0, :, 0] - want).abs().max()),
+                                "moved": float((premix[0, :, 0] - got[(0, "attention_premix")][0, :, 0]).abs().max())}
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["query_edit"] = f"{type(error).__name__}: {error}"
     # a generated token's step has no scores to recompute (its keys are in the paged cache); assigning is refused
     refusals = {}
     for label, body in (("step", "generated"), ("assign", "assign")):

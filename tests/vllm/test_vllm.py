@@ -30,13 +30,14 @@ needs_vllm = pytest.mark.skipif(
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
             "phi3", "stablelm", "glm4", "gptj", "cohere", "cohere2", "granite", "granitemoe", "hyperclovax",
-            "gpt_oss", "falcon", "bloom", "opt", "gpt2"]
+            "gpt_oss", "llama4_text", "falcon", "bloom", "opt", "gpt2"]
 # the values a family has no place for in vLLM's code (beyond the attention internals), and a word of the reason
 UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp_neurons": "experts"},
                "qwen3_moe": {"mlp.mlp_neurons": "experts"}, "olmoe": {"mlp.mlp_neurons": "experts"},
                "gptj": {"layer_mid": "parallel"}, "falcon": {"layer_mid": "parallel"},
                "cohere": {"layer_mid": "parallel"}, "cohere2": {"layer_mid": "parallel"},
-               "granitemoe": {"mlp.mlp_neurons": "experts"}, "gpt_oss": {"mlp.mlp_neurons": "experts"}}
+               "granitemoe": {"mlp.mlp_neurons": "experts"}, "gpt_oss": {"mlp.mlp_neurons": "experts"},
+               "llama4_text": {"mlp.mlp_neurons": "dense"}}
 INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 FLOAT32 = 1e-5  # float32 rounding between two implementations of the same model (relative to the value's size)
 
@@ -156,6 +157,16 @@ def test_the_attention_internals_equal_transformers_eager_attention(measured):
         assert diff < FLOAT32, (key, diff)
     assert all(diff < FLOAT32 * 10 for diff in internals["mixed"].values()), internals["mixed"]
     assert internals["patterns"] < FLOAT32, internals["patterns"]
+
+
+def test_a_query_edited_in_place_reaches_the_kernel_in_the_order_it_is_read(measured):
+    """Head 0's query set to u: the kernel's output for head 0 is softmax(u . keys) mixing the values, all as read
+    (a query read in another order than the kernel's, Llama 4's, would mix other weights)."""
+    if measured["key"] in ("bloom", "gemma2", "gemma3", "cohere2", "gpt_oss"):  # ALiBi, windows, sinks: not this sum
+        pytest.skip("the check's softmax is the plain causal one")
+    edit = measured["query_edit"]
+    assert isinstance(edit, dict), edit
+    assert edit["moved"] > 1e-3 and edit["diff"] < 1e-4, edit
 
 
 def test_recomputed_values_are_read_only_and_of_the_prompts_pass(measured):
