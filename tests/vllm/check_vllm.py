@@ -63,8 +63,9 @@ CONFIGS = {
     "granite": lambda: transformers.GraniteConfig(**MUP),
     "granitemoe": lambda: transformers.GraniteMoeConfig(**MUP, num_local_experts=4, num_experts_per_tok=2),
     "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**MUP),
+    # the window lets the last position (6) see position 2 through the sliding block 2, which patching by hand moves
     "gpt_oss": lambda: transformers.GptOssConfig(**SMALL, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
-                                                 sliding_window=4),
+                                                 sliding_window=5),
     "llama4_text": lambda: transformers.Llama4TextConfig(**{**SMALL, "intermediate_size": 64}, head_dim=32,
                                                          intermediate_size_mlp=256, num_local_experts=4,
                                                          # vLLM's chunks are whole KV blocks (128 tokens here)
