@@ -1,6 +1,8 @@
 """TransformerLens's hook functions called on the hook points (``nnterp.tools.hook_points``) in one pass: what a
 function is called with (``HookContext``), the functions of ``model.hooks(...)`` resolved to their points, and the
-plan that reads, calls and writes them back in forward order."""
+plan that reads, calls and writes them back in forward order. A backward hook is a tensor hook
+(``tensor.register_hook``) on the point's value in the pass, called with its gradient when the loss is
+backpropagated."""
 
 from __future__ import annotations
 
@@ -67,6 +69,47 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torc
     return current
 
 
+def refuse_backward(point: Point) -> None:
+    """A backward hook on a point computed from the pass (a norm's scale, each head's result): the model's graph
+    does not go through it, so no gradient would reach it."""
+    if point.read_only:
+        raise HookError(f"A backward hook on {point.name}, which nnterp computes from the pass ({point.how}): the "
+                        "model's graph does not go through it, so no gradient reaches it. Hook the gradient of "
+                        f"{point.live} instead.")
+
+
+def hook_gradient(model, point: Point, value: torch.Tensor, fns: list[Callable], written: bool) -> None:
+    """Inside a trace: each of ``fns`` called as ``fn(grad, hook)`` with the gradient of ``point``'s value (as the
+    model went on with it) when the loss is backpropagated (a tensor hook, ``value.register_hook``); a returned
+    tensor replaces the gradient. A copy the model does not hold until written back (``written``: it was) is
+    written back first, so that the gradient reaches it. Nothing where the pass keeps no gradients."""
+    refuse_backward(point)
+    if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        return
+    if getattr(point, "copy", False) and not written:
+        point.write(model, value)
+    context = HookContext(point.name, point.layer)
+    context.ctx = model.__dict__.setdefault("_nnterp_hook_contexts", {}).setdefault(point.name, {})
+    value.register_hook(gradient_hook(fns, context))
+
+
+def gradient_hook(fns: list[Callable], context: HookContext) -> Callable:
+    """A tensor hook calling ``fns`` on the gradient in turn, each on what the one before returned."""
+
+    def call(grad):
+        current = grad
+        for fn in fns:
+            result = fn(current, context)
+            if result is not None:
+                if not isinstance(result, torch.Tensor):
+                    raise HookError(f"A backward hook on {context.name} returned {type(result).__name__}: it returns "
+                                    "a tensor (which replaces the gradient) or None.")
+                current = result
+        return None if current is grad else current
+
+    return call
+
+
 class Plan:
     """The reads of one pass: each point once, in forward order, with the hook functions to call on it and whether
     its value (after them) is kept."""
@@ -75,6 +118,13 @@ class Plan:
         self._points: dict[str, Point] = {}
         self._fns: dict[str, list[Callable]] = {}
         self._kept: dict[str, bool] = {}
+        self._bwd: dict[str, list[Callable]] = {}
+
+    def add_backward(self, point: Point, fn: Callable) -> None:
+        """A backward hook on ``point``: called with its gradient when the pass's loss is backpropagated."""
+        refuse_backward(point)
+        self.add(point)
+        self._bwd.setdefault(point.name, []).append(fn)
 
     def add(self, point: Point, fn: Callable | None = None, keep: bool = False) -> None:
         self._points.setdefault(point.name, point)
@@ -99,6 +149,8 @@ class Plan:
             if point.per_batch and batch is not None:
                 value = value.expand(batch, *value.shape[1:]).clone()
             value = apply(model, point, value, self._fns[point.name])
+            if self._bwd.get(point.name):
+                hook_gradient(model, point, value, self._bwd[point.name], bool(self._fns[point.name]))
             if self._kept[point.name]:
                 kept[point.name] = value.detach() if isinstance(value, torch.Tensor) else value
         return kept
@@ -136,4 +188,5 @@ def stop_block(model, stop_at_layer: int) -> int:
     return stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
 
 
-__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "hooked_points", "stop_block"]
+__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "gradient_hook", "hook_gradient",
+           "hooked_points", "refuse_backward", "stop_block"]
