@@ -127,6 +127,13 @@ class Plan:
         self._bwd.setdefault(point.name, []).append(fn)
 
     def add(self, point: Point, fn: Callable | None = None, keep: bool = False) -> None:
+        """``point`` read in the pass, ``fn`` called on it, its value kept with ``keep``. A point whose edit is
+        written at a later point (``point.follow``: that point and the function writing it) brings it along, the
+        function first there."""
+        if point.name not in self._points and getattr(point, "follow", None) is not None:
+            later, write = point.follow
+            self.add(later)
+            self._fns[later.name].insert(0, write)
         self._points.setdefault(point.name, point)
         self._fns.setdefault(point.name, [])
         if fn is not None:

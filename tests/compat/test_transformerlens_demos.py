@@ -590,5 +590,5 @@ def test_the_hook_point_switches(gpt2):
         _, cache = ours.run_with_cache(TEXT)
         _, tl_cache = theirs.run_with_cache(TEXT)
     close(cache["result", 1, "attn"], tl_cache["result", 1, "attn"])
-    with pytest.raises(TypeError, match="split attention inputs"):
-        ours.set_use_split_qkv_input(True)
+    with pytest.raises(TypeError, match="hook_attn_in"):
+        ours.set_use_attn_in(True)

@@ -27,6 +27,7 @@ import torch
 
 from ...tools import hook_passes
 from ...tools.activation_cache import _inputs, _refuse_foreign_arguments, _returned, _standard_point, lm_loss
+from .split_inputs import set_use_split_qkv_input
 
 class InstalledHook:
     """A hook on the model: its names (a name or a predicate), its function, whether ``reset_hooks()`` keeps it
@@ -276,13 +277,13 @@ def set_use_hook_mlp_in(model, use_hook_mlp_in: bool) -> None:
     """TransformerLens's switch for ``hook_mlp_in``: nnterp always serves it, so this changes nothing."""
 
 
-def _refuse_split_inputs(model, use: bool = True) -> None:
+def _refuse_attn_in(model, use: bool = True) -> None:
     if use:
-        raise TypeError("TransformerLens's split attention inputs (hook_q_input, hook_k_input, hook_v_input, "
-                        "hook_attn_in: one copy of the stream per head) are not served: the model reads one stream "
-                        "for every head, so a per-head edit of it has no tensor in the model to reach. Patch a "
-                        "head's own values instead (attn.hook_q / hook_k / hook_v / hook_z, per head).")
+        raise TypeError("TransformerLens's hook_attn_in (one copy of the stream per head, feeding that head's queries, "
+                        "keys and values at once) is not served: use model.set_use_split_qkv_input(True) and "
+                        "hook_q_input / hook_k_input / hook_v_input, which nnterp serves, or patch a head's own values "
+                        "(attn.hook_q / hook_k / hook_v / hook_z, per head).")
 
 
 SWITCHES = {"set_use_attn_result": set_use_attn_result, "set_use_hook_mlp_in": set_use_hook_mlp_in,
-            "set_use_split_qkv_input": _refuse_split_inputs, "set_use_attn_in": _refuse_split_inputs}
+            "set_use_split_qkv_input": set_use_split_qkv_input, "set_use_attn_in": _refuse_attn_in}
