@@ -42,10 +42,11 @@ def hooked_points(model, hooks) -> list[tuple[Point, Callable]]:
     return pairs
 
 
-def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torch.Tensor:
+def apply(model, point: Point, value: torch.Tensor, fns: list[Callable], fit: Callable | None = None) -> torch.Tensor:
     """Inside a trace: call each of ``fns`` as ``fn(tensor, hook)`` on ``point``'s value, in order, each on what the
-    one before left; a returned tensor replaces the value (written to the model once, after them), None keeps the
-    tensor (edited in place, it reaches the model as an edit of the value does). A computed point refuses an edit."""
+    one before left; a returned tensor replaces the value (written to the model once, after them, through ``fit``
+    where given), None keeps the tensor (edited in place, it reaches the model as an edit of the value does). A
+    computed point refuses an edit."""
     if not fns:
         return value
     context = HookContext(point.name, point.layer)
@@ -65,8 +66,54 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torc
             raise point.refuse_edit()
         return value
     if current is not value or getattr(point, "copy", False):  # a copy's in-place edit reaches the model written back
+        if fit is not None and current is not value:
+            current = fit(current)
         point.write(model, current)
     return current
+
+
+def _positions(point: Point, length: int) -> tuple:
+    """The index of a point's first ``length`` positions: the queries' and keys' of an attention pattern (scores)
+    ``[batch, heads, query, key]``, else the second dimension's ``[batch, pos, ...]``."""
+    if point.name.endswith(("attn.hook_pattern", "attn.hook_attn_scores")):
+        return (slice(None), slice(None), slice(0, length), slice(0, length))
+    return (slice(None), slice(0, length))
+
+
+class Shortened:
+    """TransformerLens's pass after a hook returned fewer positions than the pass has (``[batch, pos', ...]``, pos'
+    < pos): the model runs on with the first pos' positions. Here the model runs on every position, the hook's tensor
+    in the first pos' and the value as it was after them, which (the model being causal) gives the first pos'
+    positions TransformerLens's values; the later hooks and the cache get those positions (a view: an in-place edit
+    reaches the model), and the pass's logits are cut to them (``length``)."""
+
+    def __init__(self, seq: int | None):
+        self.seq, self.length = seq, None
+
+    def view(self, point: Point, value):
+        if self.length is None or not isinstance(value, torch.Tensor):
+            return value
+        return value[_positions(point, self.length)]
+
+    def fit(self, point: Point, full: torch.Tensor) -> Callable:
+        """The function giving what a hook returned as the model's value: itself, or, where it has fewer positions
+        at the front of the sequence, those positions of the model's value replaced with it."""
+
+        def fit(current: torch.Tensor) -> torch.Tensor:
+            if self.seq is None or current.shape == full.shape or full.dim() < 2 or full.shape[1] != self.seq:
+                return current
+            length = current.shape[1]
+            if current.dim() != full.dim() or current.shape[0] != full.shape[0] or not 0 < length < self.seq:
+                return current
+            index = _positions(point, length)
+            if current.shape != full[index].shape:
+                return current
+            self.length = length if self.length is None else min(self.length, length)
+            whole = full.clone()
+            whole[index] = current.to(full.dtype)
+            return whole
+
+        return fit
 
 
 def refuse_backward(point: Point) -> None:
@@ -147,15 +194,21 @@ class Plan:
     def ordered(self) -> list[Point]:
         return in_forward_order(list(self._points.values()))
 
-    def run(self, model, batch: int | None = None) -> dict[str, torch.Tensor]:
+    def run(self, model, batch: int | None = None, seq: int | None = None) -> dict[str, torch.Tensor]:
         """Inside a trace: every point read in forward order, its hooks applied; the kept values, detached. ``batch``:
-        the pass's number of prompts, to which a value the model holds once for all (``per_batch``) is expanded."""
+        the pass's number of prompts, to which a value the model holds once for all (``per_batch``) is expanded;
+        ``seq``: its number of positions, given where a hook may return fewer (``Shortened``: the positions the pass
+        kept are ``plan.shortened.length`` after it)."""
         kept = {}
+        self.shortened = shortened = Shortened(seq)
         for point in self.ordered():
             value = point.read(model)
             if point.per_batch and batch is not None:
                 value = value.expand(batch, *value.shape[1:]).clone()
-            value = apply(model, point, value, self._fns[point.name])
+            full, value = value, shortened.view(point, value)
+            fit = shortened.fit(point, full) if seq is not None and isinstance(full, torch.Tensor) else None
+            value = apply(model, point, value, self._fns[point.name], fit)
+            value = shortened.view(point, value)  # the positions the pass kept (idempotent on a view)
             if self._bwd.get(point.name):
                 hook_gradient(model, point, value, self._bwd[point.name], bool(self._fns[point.name]))
             if self._kept[point.name]:

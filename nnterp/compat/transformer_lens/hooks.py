@@ -233,11 +233,22 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
         plan.add(residual)
     inputs = _inputs(model, input, prepend_bos, padding_side)
     with hooked_pass(model), hook_passes.attention_for(model, plan.needs_attention), model.trace(inputs):
-        plan.run(model, inputs["input_ids"].shape[0])
+        plan.run(model, *inputs["input_ids"].shape[:2])
         if residual is not None:
             stream = nnsight.save(residual.read(model))
         elif return_type is not None:
             logits = nnsight.save(model.logits)
+    length = plan.shortened.length  # a hook returned fewer positions: TransformerLens runs on with them
+    if length is not None:
+        if residual is not None:
+            return stream[:, :length]
+        if return_type in ("loss", "both"):
+            raise hook_passes.HookError(
+                f"A hook returned a tensor of {length} positions for a pass of {inputs['input_ids'].shape[1]}: the "
+                "model ran on with those positions, as TransformerLens's does, and their logits no longer line up "
+                "with the tokens for the loss (TransformerLens's loss fails on them too). Return a tensor of the "
+                "hook point's shape, or pass the tokens the hook's tensor was computed for.")
+        logits = logits[:, :length]
     if residual is not None:
         return stream
     if return_type is None:
