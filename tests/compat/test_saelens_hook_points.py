@@ -144,7 +144,8 @@ def test_a_backward_hook_returning_a_tensor_replaces_the_gradient(models):
     for model in (theirs, ours):
         model.add_hook("blocks.1.hook_resid_pre", lambda grad, hook: grad * 0, "bwd")
         grads = {}
-        model.add_hook("blocks.0.hook_resid_pre", lambda grad, hook: grads.__setitem__("g", grad.clone()), "bwd")
+        model.add_hook("blocks.0.hook_resid_pre", lambda grad, hook, grads=grads: grads.__setitem__("g", grad.clone()),
+                       "bwd")
         try:
             with torch.enable_grad():
                 metric(model(tokens)).backward()

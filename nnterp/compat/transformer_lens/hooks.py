@@ -29,6 +29,7 @@ from ...tools import hook_passes
 from ...tools.activation_cache import _inputs, _refuse_foreign_arguments, _returned, _standard_point, lm_loss
 from .split_inputs import set_use_split_qkv_input
 
+
 class InstalledHook:
     """A hook on the model: its names (a name or a predicate), its function, whether ``reset_hooks()`` keeps it
     (``permanent``), the ``with model.hooks(...)`` depth that added it (None: ``add_hook``) and its direction
