@@ -131,6 +131,12 @@ TRANSFORMERLENS_COMPUTED: dict[str, str] = {
                         "[batch, seq, heads, hidden_size]",
     "mlp.hook_pre": "the input of the MLP's activation function (the gate projection's output on a gated MLP)",
     "mlp.hook_pre_linear": "a gated MLP's up projection output, which multiplies the activation",
+    "hook_q_input": "the stream entering the block, one copy per query head, [batch, seq, heads, hidden_size], after "
+                    "model.set_use_split_qkv_input(True): an edit of a head's copy changes that head's queries",
+    "hook_k_input": "the stream entering the block, one copy per key-value head, after "
+                    "model.set_use_split_qkv_input(True): an edit of a head's copy changes that head's keys",
+    "hook_v_input": "the stream entering the block, one copy per key-value head, after "
+                    "model.set_use_split_qkv_input(True): an edit of a head's copy changes that head's values",
 }
 
 

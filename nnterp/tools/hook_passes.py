@@ -1,6 +1,8 @@
 """TransformerLens's hook functions called on the hook points (``nnterp.tools.hook_points``) in one pass: what a
 function is called with (``HookContext``), the functions of ``model.hooks(...)`` resolved to their points, and the
-plan that reads, calls and writes them back in forward order."""
+plan that reads, calls and writes them back in forward order. A backward hook is a tensor hook
+(``tensor.register_hook``) on the point's value in the pass, called with its gradient when the loss is
+backpropagated."""
 
 from __future__ import annotations
 
@@ -40,10 +42,11 @@ def hooked_points(model, hooks) -> list[tuple[Point, Callable]]:
     return pairs
 
 
-def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torch.Tensor:
+def apply(model, point: Point, value: torch.Tensor, fns: list[Callable], fit: Callable | None = None) -> torch.Tensor:
     """Inside a trace: call each of ``fns`` as ``fn(tensor, hook)`` on ``point``'s value, in order, each on what the
-    one before left; a returned tensor replaces the value (written to the model once, after them), None keeps the
-    tensor (edited in place, it reaches the model as an edit of the value does). A computed point refuses an edit."""
+    one before left; a returned tensor replaces the value (written to the model once, after them, through ``fit``
+    where given), None keeps the tensor (edited in place, it reaches the model as an edit of the value does). A
+    computed point refuses an edit."""
     if not fns:
         return value
     context = HookContext(point.name, point.layer)
@@ -63,8 +66,95 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable]) -> torc
             raise point.refuse_edit()
         return value
     if current is not value or getattr(point, "copy", False):  # a copy's in-place edit reaches the model written back
+        if fit is not None and current is not value:
+            current = fit(current)
         point.write(model, current)
     return current
+
+
+def _positions(point: Point, length: int) -> tuple:
+    """The index of a point's first ``length`` positions: the queries' and keys' of an attention pattern (scores)
+    ``[batch, heads, query, key]``, else the second dimension's ``[batch, pos, ...]``."""
+    if point.name.endswith(("attn.hook_pattern", "attn.hook_attn_scores")):
+        return (slice(None), slice(None), slice(0, length), slice(0, length))
+    return (slice(None), slice(0, length))
+
+
+class Shortened:
+    """TransformerLens's pass after a hook returned fewer positions than the pass has (``[batch, pos', ...]``, pos'
+    < pos): the model runs on with the first pos' positions. Here the model runs on every position, the hook's tensor
+    in the first pos' and the value as it was after them, which (the model being causal) gives the first pos'
+    positions TransformerLens's values; the later hooks and the cache get those positions (a view: an in-place edit
+    reaches the model), and the pass's logits are cut to them (``length``)."""
+
+    def __init__(self, seq: int | None):
+        self.seq, self.length = seq, None
+
+    def view(self, point: Point, value):
+        if self.length is None or not isinstance(value, torch.Tensor):
+            return value
+        return value[_positions(point, self.length)]
+
+    def fit(self, point: Point, full: torch.Tensor) -> Callable:
+        """The function giving what a hook returned as the model's value: itself, or, where it has fewer positions
+        at the front of the sequence, those positions of the model's value replaced with it."""
+
+        def fit(current: torch.Tensor) -> torch.Tensor:
+            if self.seq is None or current.shape == full.shape or full.dim() < 2 or full.shape[1] != self.seq:
+                return current
+            length = current.shape[1]
+            if current.dim() != full.dim() or current.shape[0] != full.shape[0] or not 0 < length < self.seq:
+                return current
+            index = _positions(point, length)
+            if current.shape != full[index].shape:
+                return current
+            self.length = length if self.length is None else min(self.length, length)
+            whole = full.clone()
+            whole[index] = current.to(full.dtype)
+            return whole
+
+        return fit
+
+
+def refuse_backward(point: Point) -> None:
+    """A backward hook on a point computed from the pass (a norm's scale, each head's result): the model's graph
+    does not go through it, so no gradient would reach it."""
+    if point.read_only:
+        raise HookError(f"A backward hook on {point.name}, which nnterp computes from the pass ({point.how}): the "
+                        "model's graph does not go through it, so no gradient reaches it. Hook the gradient of "
+                        f"{point.live} instead.")
+
+
+def hook_gradient(model, point: Point, value: torch.Tensor, fns: list[Callable], written: bool) -> None:
+    """Inside a trace: each of ``fns`` called as ``fn(grad, hook)`` with the gradient of ``point``'s value (as the
+    model went on with it) when the loss is backpropagated (a tensor hook, ``value.register_hook``); a returned
+    tensor replaces the gradient. A copy the model does not hold until written back (``written``: it was) is
+    written back first, so that the gradient reaches it. Nothing where the pass keeps no gradients."""
+    refuse_backward(point)
+    if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        return
+    if getattr(point, "copy", False) and not written:
+        point.write(model, value)
+    context = HookContext(point.name, point.layer)
+    context.ctx = model.__dict__.setdefault("_nnterp_hook_contexts", {}).setdefault(point.name, {})
+    value.register_hook(gradient_hook(fns, context))
+
+
+def gradient_hook(fns: list[Callable], context: HookContext) -> Callable:
+    """A tensor hook calling ``fns`` on the gradient in turn, each on what the one before returned."""
+
+    def call(grad):
+        current = grad
+        for fn in fns:
+            result = fn(current, context)
+            if result is not None:
+                if not isinstance(result, torch.Tensor):
+                    raise HookError(f"A backward hook on {context.name} returned {type(result).__name__}: it returns "
+                                    "a tensor (which replaces the gradient) or None.")
+                current = result
+        return None if current is grad else current
+
+    return call
 
 
 class Plan:
@@ -75,8 +165,22 @@ class Plan:
         self._points: dict[str, Point] = {}
         self._fns: dict[str, list[Callable]] = {}
         self._kept: dict[str, bool] = {}
+        self._bwd: dict[str, list[Callable]] = {}
+
+    def add_backward(self, point: Point, fn: Callable) -> None:
+        """A backward hook on ``point``: called with its gradient when the pass's loss is backpropagated."""
+        refuse_backward(point)
+        self.add(point)
+        self._bwd.setdefault(point.name, []).append(fn)
 
     def add(self, point: Point, fn: Callable | None = None, keep: bool = False) -> None:
+        """``point`` read in the pass, ``fn`` called on it, its value kept with ``keep``. A point whose edit is
+        written at a later point (``point.follow``: that point and the function writing it) brings it along, the
+        function first there."""
+        if point.name not in self._points and getattr(point, "follow", None) is not None:
+            later, write = point.follow
+            self.add(later)
+            self._fns[later.name].insert(0, write)
         self._points.setdefault(point.name, point)
         self._fns.setdefault(point.name, [])
         if fn is not None:
@@ -90,15 +194,23 @@ class Plan:
     def ordered(self) -> list[Point]:
         return in_forward_order(list(self._points.values()))
 
-    def run(self, model, batch: int | None = None) -> dict[str, torch.Tensor]:
+    def run(self, model, batch: int | None = None, seq: int | None = None) -> dict[str, torch.Tensor]:
         """Inside a trace: every point read in forward order, its hooks applied; the kept values, detached. ``batch``:
-        the pass's number of prompts, to which a value the model holds once for all (``per_batch``) is expanded."""
+        the pass's number of prompts, to which a value the model holds once for all (``per_batch``) is expanded;
+        ``seq``: its number of positions, given where a hook may return fewer (``Shortened``: the positions the pass
+        kept are ``plan.shortened.length`` after it)."""
         kept = {}
+        self.shortened = shortened = Shortened(seq)
         for point in self.ordered():
             value = point.read(model)
             if point.per_batch and batch is not None:
                 value = value.expand(batch, *value.shape[1:]).clone()
-            value = apply(model, point, value, self._fns[point.name])
+            full, value = value, shortened.view(point, value)
+            fit = shortened.fit(point, full) if seq is not None and isinstance(full, torch.Tensor) else None
+            value = apply(model, point, value, self._fns[point.name], fit)
+            value = shortened.view(point, value)  # the positions the pass kept (idempotent on a view)
+            if self._bwd.get(point.name):
+                hook_gradient(model, point, value, self._bwd[point.name], bool(self._fns[point.name]))
             if self._kept[point.name]:
                 kept[point.name] = value.detach() if isinstance(value, torch.Tensor) else value
         return kept
@@ -136,4 +248,5 @@ def stop_block(model, stop_at_layer: int) -> int:
     return stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
 
 
-__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "hooked_points", "stop_block"]
+__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "gradient_hook", "hook_gradient",
+           "hooked_points", "refuse_backward", "stop_block"]

@@ -6,8 +6,9 @@ A name is one of a block's (``blocks.5.hook_resid_post``, ``blocks.5.attn.hook_z
 (``spec.catalog.TRANSFORMERLENS_NAMES``), live: an edit reaches the model as an edit of the value does. The others
 (``TRANSFORMERLENS_COMPUTED``) are read at a native module of the model (the activation's input, the query
 projection's output), or computed from the live values of the pass (a norm's scale, each head's result): those
-are read-only, and an edit of one is refused, naming the live value to edit instead. A name a family has no
-meaning for is refused with the reason.
+are read-only, and an edit of one is refused, naming the live value to edit instead; TransformerLens's per-head copies
+of the stream (``hook_q_input`` ...) are served by its door (``nnterp.compat.transformer_lens.split_inputs``). A name a
+family has no meaning for is refused with the reason.
 
 ``points(model, names)`` resolves names (a name, a list, or a predicate over every name the model has) to
 ``Point`` objects; ``in_forward_order`` sorts them as the model computes them, so that nnsight, which reads a
@@ -327,6 +328,10 @@ def _block_point(model, name: str, layer: int, tail: str) -> Point:
         return _mlp_in(model, name, layer)
     if tail == "attn.hook_attn_scores":
         return ScoresPoint(_standard(model, name, layer, "attention_scores"))
+    if tail in ("hook_q_input", "hook_k_input", "hook_v_input"):  # TransformerLens's per-head copies: its door's
+        from ..compat.transformer_lens.split_inputs import split_input_point
+
+        return split_input_point(model, name, layer, tail)
     key = tail.removeprefix("hook_") if tail.startswith("hook_") else tail
     return _standard(model, name, layer, TRANSFORMERLENS_NAMES[key])
 

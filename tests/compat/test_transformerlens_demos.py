@@ -210,8 +210,8 @@ def test_persistent_hook_ctx_and_refusals(gpt2):
     ours.reset_hooks()
     ours(TEXT)
     assert seen["blocks.1.hook_resid_pre"] == 4  # gone, and its ctx cleared
-    with pytest.raises(TypeError, match="backward hooks"):
-        ours.add_hook("blocks.0.hook_resid_post", count, dir="bwd")
+    with pytest.raises(nnterp.tools.hook_points.HookError, match="no gradient reaches it"):
+        ours.add_hook("blocks.0.ln1.hook_scale", count, dir="bwd")
     with pytest.raises(nnterp.tools.hook_points.HookError, match="not a TransformerLens hook name"):
         ours.add_hook("blocks.0.hook_nothing", count)
     assert context_hooks(ours) == []
@@ -560,17 +560,25 @@ def test_add_sae_and_reset_saes(with_saes):
         close(ours(tokens), theirs(tokens))
 
 
-def test_a_persistent_hook_on_an_sae_s_values_is_refused(with_saes):
-    ours, _, saes = with_saes
-    ours.add_sae(saes["blocks.0.hook_resid_pre"])
-    try:
-        with pytest.raises(TypeError, match="run_with_hooks_with_saes"):
-            ours.add_hook(lambda name: name.endswith("hook_sae_acts_post"), lambda acts, hook: acts * 0)
-        with pytest.raises(TypeError, match="run for one call"):
-            with ours.hooks(fwd_hooks=[("blocks.0.hook_resid_pre.hook_sae_acts_post", lambda a, hook: a)]):
-                pass
-    finally:
-        ours.reset_saes()
+def test_hooks_on_the_model_on_an_sae_s_values(with_saes):
+    ours, theirs, saes = with_saes
+    name = "blocks.0.hook_resid_pre.hook_sae_acts_post"
+    with pytest.raises(KeyError, match="No attached SAE has the hook point"):
+        ours.add_hook(name, lambda acts, hook: acts * 0)  # no SAE attached there (TransformerLens: a KeyError too)
+    got = []
+    with torch.no_grad():
+        for model in (ours, theirs):
+            model.add_sae(saes["blocks.0.hook_resid_pre"])
+            try:  # before: refused (hooks on an SAE's values ran for one call only)
+                with model.hooks(fwd_hooks=[(name, lambda acts, hook: acts * 0.5)]):
+                    got.append(model(TEXT))
+                model.add_hook(lambda n: n.endswith("hook_sae_acts_post"), lambda acts, hook: acts * 0)
+                got.append(model(TEXT))
+            finally:
+                model.reset_hooks()
+                model.reset_saes()
+    close(got[0], got[2])
+    close(got[1], got[3])
     assert context_hooks(ours) == []
 
 
@@ -582,5 +590,5 @@ def test_the_hook_point_switches(gpt2):
         _, cache = ours.run_with_cache(TEXT)
         _, tl_cache = theirs.run_with_cache(TEXT)
     close(cache["result", 1, "attn"], tl_cache["result", 1, "attn"])
-    with pytest.raises(TypeError, match="split attention inputs"):
-        ours.set_use_split_qkv_input(True)
+    with pytest.raises(TypeError, match="hook_attn_in"):
+        ours.set_use_attn_in(True)

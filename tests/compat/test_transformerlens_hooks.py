@@ -261,8 +261,8 @@ def test_refusals_say_what_to_do(models):
 
     with pytest.raises(HookError, match="computes from the pass"):
         ours.run_with_hooks(TEXT, fwd_hooks=[("blocks.0.ln1.hook_scale", double_in_place)])
-    with pytest.raises(TypeError, match="backward hooks"):
-        ours.run_with_hooks(TEXT, bwd_hooks=[("blocks.0.hook_resid_post", ablate_head)])
+    with pytest.raises(HookError, match="no gradient reaches it"):
+        ours.run_with_hooks(TEXT, bwd_hooks=[("blocks.0.attn.hook_result", ablate_head)])
     with pytest.raises(TypeError, match=r"device=.*cache\[name\]\.to\(device\)"):
         ours.run_with_cache(TEXT, device="cpu")
     with pytest.raises(TypeError, match="start_at_layer=.*layer_input"):

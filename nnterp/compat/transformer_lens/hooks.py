@@ -9,13 +9,17 @@ model (``add_hook``, and those of the ``with model.hooks(...)`` blocks around th
 TransformerLens's methods make (``model(...)`` on a ``HookedTransformer``, ``run_with_hooks``, ``run_with_cache``,
 ``run_with_saes``, ``generate``, and on a ``HookedTransformer`` ``activation_patching``), before the call's own, in the
 order they were added, as TransformerLens registers them; not in ``model.trace`` or nnterp's other tools, whose edits
-are written in the trace. Backward hooks are refused: nnterp
-runs no backward hooks.
+are written in the trace. A hook may name an attached SAE's own values (``f"{hook}.hook_sae_acts_post"``, SAELens's
+names). A backward hook (``dir="bwd"``, ``bwd_hooks=``) is called as ``fn(grad, hook)`` with the gradient of the hook
+point's value when a loss computed from a pass of those methods is backpropagated (a tensor hook on the value of the
+pass, ``tensor.register_hook``), until the hooks are reset, as TransformerLens's module hooks are; a returned tensor
+replaces the gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 
 import nnsight
@@ -23,28 +27,22 @@ import torch
 
 from ...tools import hook_passes
 from ...tools.activation_cache import _inputs, _refuse_foreign_arguments, _returned, _standard_point, lm_loss
-
-BACKWARD = ("bwd_hooks are TransformerLens's backward hooks, which nnterp does not run. For gradients, save the "
-            "values in a model.trace (value.save(), with value.retain_grad() where needed), call .backward() on what "
-            "you compute from them, and read value.grad.")
-
-
-def _refuse_backward(bwd_hooks, what: str) -> None:
-    if bwd_hooks:
-        raise TypeError(f"{what}: {BACKWARD}")
+from .split_inputs import set_use_split_qkv_input
 
 
 class InstalledHook:
     """A hook on the model: its names (a name or a predicate), its function, whether ``reset_hooks()`` keeps it
-    (``permanent``), and the ``with model.hooks(...)`` depth that added it (None: ``add_hook``)."""
+    (``permanent``), the ``with model.hooks(...)`` depth that added it (None: ``add_hook``) and its direction
+    (``"fwd"`` or ``"bwd"``)."""
 
-    __slots__ = ("names", "fn", "permanent", "level")
+    __slots__ = ("names", "fn", "permanent", "level", "dir")
 
-    def __init__(self, names, fn: Callable, permanent: bool = False, level: int | None = None):
-        self.names, self.fn, self.permanent, self.level = names, fn, permanent, level
+    def __init__(self, names, fn: Callable, permanent: bool = False, level: int | None = None, dir: str = "fwd"):
+        self.names, self.fn, self.permanent, self.level, self.dir = names, fn, permanent, level, dir
 
     def __repr__(self) -> str:
-        return f"InstalledHook({self.names!r}, {self.fn!r}, permanent={self.permanent}, level={self.level})"
+        return (f"InstalledHook({self.names!r}, {self.fn!r}, permanent={self.permanent}, level={self.level}, "
+                f"dir={self.dir!r})")
 
 
 def _installed(model) -> list[InstalledHook]:
@@ -52,14 +50,44 @@ def _installed(model) -> list[InstalledHook]:
 
 
 def _publish(model, installed: list[InstalledHook]) -> None:
-    """Store the hooks on the model, and as ``(names, fn)`` pairs where ``run_with_cache`` reads them."""
+    """Store the hooks on the model, and its forward hooks on the model's own hook points as ``(names, fn)`` pairs
+    where ``run_with_cache`` reads them (an SAE's values are hooked in the SAE's splice: ``sae_hooks``)."""
     model.__dict__["_nnterp_installed_hooks"] = installed
-    model.__dict__["_nnterp_context_hooks"] = [(hook.names, hook.fn) for hook in installed]
+    model.__dict__["_nnterp_context_hooks"] = [(hook.names, hook.fn) for hook in installed
+                                               if hook.dir == "fwd" and not _names_sae_value(hook.names)]
+
+
+def _names_sae_value(names) -> bool:
+    return isinstance(names, str) and ".hook_sae_" in names
 
 
 def context_hooks(model) -> list:
-    """The hooks on the model (``add_hook``, ``with model.hooks(...)``), as ``(names, fn)`` in the order they run."""
+    """The forward hooks on the model (``add_hook``, ``with model.hooks(...)``) on its own hook points, as
+    ``(names, fn)`` in the order they run."""
     return list(model.__dict__.get("_nnterp_context_hooks", ()))
+
+
+def backward_hooks(model) -> list:
+    """The backward hooks on the model's own hook points, as ``(names, fn)``: each ``fn`` is called only while its
+    hook is still on the model (``reset_hooks`` removes it, as TransformerLens removes its module hook)."""
+    return [(hook.names, _while_installed(model, hook)) for hook in _installed(model)
+            if hook.dir == "bwd" and not _names_sae_value(hook.names)]
+
+
+def sae_hooks(model, dir: str) -> list:
+    """The hooks on the model in direction ``dir`` that may choose an attached SAE's values (a name of one, or a
+    predicate), as ``(names, fn)``."""
+    return [(hook.names, _while_installed(model, hook) if dir == "bwd" else hook.fn) for hook in _installed(model)
+            if hook.dir == dir and (callable(hook.names) or _names_sae_value(hook.names))]
+
+
+def _while_installed(model, hook: InstalledHook) -> Callable:
+    def call(grad, context):
+        if any(entry is hook for entry in _installed(model)):
+            return hook.fn(grad, context)
+        return None
+
+    return call
 
 
 def add_hook(model, name, hook: Callable, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
@@ -67,13 +95,10 @@ def add_hook(model, name, hook: Callable, dir: str = "fwd", is_permanent: bool =
     """TransformerLens's ``model.add_hook(name_or_predicate, fn)``: ``fn`` is called on those hook points in every
     later pass of TransformerLens's methods, until ``model.reset_hooks()`` (``is_permanent=True``: until
     ``reset_hooks(including_permanent=True)``). ``prepend=True`` runs it before the hooks already there."""
-    if dir != "fwd":
-        if dir == "bwd":
-            raise TypeError(f"model.add_hook(..., dir='bwd'): {BACKWARD}")
-        raise ValueError(f"dir is 'fwd' (or TransformerLens's 'bwd', which nnterp does not run), not {dir!r}.")
-    _refuse_sae_entries(model, name)
-    hook_passes.hooked_points(model, [(name, hook)])  # a bad name or function says so here, not at the next pass
-    entry = InstalledHook(name, hook, bool(is_permanent), level)
+    if dir not in ("fwd", "bwd"):
+        raise ValueError(f"dir is 'fwd' or 'bwd', not {dir!r}.")
+    _check(model, name, hook, dir)  # a bad name or function says so here, not at the next pass
+    entry = InstalledHook(name, hook, bool(is_permanent), level, dir)
     installed = _installed(model)
     _publish(model, [entry, *installed] if prepend else [*installed, entry])
 
@@ -86,14 +111,21 @@ def _sae_entries(model, names) -> list[str]:
     return [e for e in entries if (names(e) if callable(names) else names == e)]
 
 
-def _refuse_sae_entries(model, names) -> None:
-    """A hook that stays on the model cannot be on an SAE's own values (they are hooked for one call): refused
-    rather than left out."""
-    chosen = _sae_entries(model, names)
-    if chosen or (isinstance(names, str) and ".hook_sae_" in names):
-        raise TypeError(f"A hook on {', '.join(chosen) or names} that stays on the model: hooks on an SAE's own values "
-                        "run for one call, in model.run_with_hooks(input, fwd_hooks=[...]) with the SAE attached, or "
-                        "model.run_with_hooks_with_saes(input, saes=[...], fwd_hooks=[...]).")
+def _check(model, names, fn, dir: str) -> None:
+    """A hook's name (or predicate) and function, checked before it goes on the model: an attached SAE's value it
+    may hook (``saes.check_sae_hook``), or the model's own hook points (a backward hook on a point computed from the
+    pass refused)."""
+    if _names_sae_value(names):
+        from .saes import check_sae_hook
+
+        if not callable(fn):
+            raise hook_passes.HookError(f"A hook is a pair (name or predicate over names, fn(tensor, hook)), not "
+                                        f"{(names, fn)!r}.")
+        check_sae_hook(model, names, dir)
+        return
+    for point, _ in hook_passes.hooked_points(model, [(names, fn)]):
+        if dir == "bwd":
+            hook_passes.refuse_backward(point)
 
 
 def add_perma_hook(model, name, hook: Callable, dir: str = "fwd") -> None:
@@ -108,29 +140,29 @@ def reset_hooks(model, clear_contexts: bool = True, direction: str = "both", inc
     with ``clear_contexts`` empty every ``hook.ctx``."""
     if direction not in ("fwd", "bwd", "both"):
         raise ValueError(f"direction is 'fwd', 'bwd' or 'both', not {direction!r}.")
-    if direction != "bwd":
-        kept = [hook for hook in _installed(model) if not (
-            including_permanent or (not hook.permanent and (level is None or hook.level == level)))]
-        _publish(model, kept)
+    kept = [hook for hook in _installed(model) if direction not in ("both", hook.dir) or not (
+        including_permanent or (not hook.permanent and (level is None or hook.level == level)))]
+    _publish(model, kept)
     if clear_contexts:
         model.__dict__["_nnterp_hook_contexts"] = {}
 
 
 @contextlib.contextmanager
 def hooks(model, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True, clear_contexts: bool = False):
-    """``with model.hooks(fwd_hooks=[(name, fn)]):`` the passes inside the block call these hooks too; after it they
-    are gone (kept with ``reset_hooks_end=False``, until ``model.reset_hooks()``)."""
-    _refuse_backward(bwd_hooks, "model.hooks")
-    fwd_hooks = list(fwd_hooks)
-    for entry in fwd_hooks:
-        if isinstance(entry, (tuple, list)) and len(entry) == 2:
-            _refuse_sae_entries(model, entry[0])
-    hook_passes.hooked_points(model, fwd_hooks)  # a bad name or pair says so here, before any is added
+    """``with model.hooks(fwd_hooks=[(name, fn)], bwd_hooks=[(name, fn)]):`` the passes inside the block call these
+    hooks too (the backward hooks, a backward pass inside it); after it they are gone (kept with
+    ``reset_hooks_end=False``, until ``model.reset_hooks()``)."""
+    pairs = [(entry, "fwd") for entry in fwd_hooks] + [(entry, "bwd") for entry in (bwd_hooks or ())]
+    for entry, dir in pairs:  # a bad name or pair says so here, before any is added
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[1])):
+            raise hook_passes.HookError(f"A hook is a pair (name or predicate over names, fn(tensor, hook)), not "
+                                        f"{entry!r}.")
+        _check(model, entry[0], entry[1], dir)
     level = model.__dict__.get("_nnterp_hook_level", 0) + 1
     model.__dict__["_nnterp_hook_level"] = level
     try:
-        for name, fn in fwd_hooks:
-            add_hook(model, name, fn, level=level)
+        for (name, fn), dir in pairs:
+            add_hook(model, name, fn, dir, level=level)
         yield model
     finally:
         if reset_hooks_end:
@@ -150,9 +182,11 @@ def run_with_hooks(model, input, fwd_hooks=(), bwd_hooks=None, reset_hooks_end: 
     ``"loss"`` (the mean next-token loss; per token with ``loss_per_token``), ``"both"`` or None;
     ``stop_at_layer=k`` returns the stream entering block ``k`` instead. The pass keeps gradients as torch's mode
     says (TransformerLens's does). The attention values are turned on for the call where a hook needs them.
-    ``reset_hooks_end=False`` leaves ``fwd_hooks`` on the model afterwards, as TransformerLens does.
+    ``reset_hooks_end=False`` leaves ``fwd_hooks`` on the model afterwards, as TransformerLens does. ``bwd_hooks``
+    are called with the gradients of a later backward pass from the returned value while they are on the model: with
+    ``reset_hooks_end=True`` they are removed as the call ends, before any backward pass, so never called, as in
+    TransformerLens (which warns so).
     """
-    _refuse_backward(bwd_hooks, "run_with_hooks")
     _refuse_foreign_arguments(kwargs, False, "run_with_hooks", "input, fwd_hooks, bwd_hooks, reset_hooks_end, "
                               "clear_contexts, return_type, loss_per_token, prepend_bos, padding_side and "
                               "stop_at_layer")
@@ -168,14 +202,21 @@ def run_with_hooks(model, input, fwd_hooks=(), bwd_hooks=None, reset_hooks_end: 
                                         return_type=return_type, loss_per_token=loss_per_token,
                                         prepend_bos=prepend_bos, padding_side=padding_side,
                                         stop_at_layer=stop_at_layer)
-    with hooks(model, fwd_hooks, (), reset_hooks_end, clear_contexts):
+    with hooks(model, fwd_hooks, bwd_hooks or (), reset_hooks_end, clear_contexts):
+        if bwd_hooks and reset_hooks_end:
+            warnings.warn("run_with_hooks(bwd_hooks=...) with reset_hooks_end=True: the hooks are reset as the call "
+                          "ends, before a backward pass can call the backward hooks (as in TransformerLens); pass "
+                          "reset_hooks_end=False and call model.reset_hooks() after the backward pass.", stacklevel=2)
         return forward(model, input, context_hooks(model), return_type, loss_per_token, prepend_bos, stop_at_layer,
                        padding_side)
 
 
 def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False, prepend_bos=None, stop_at_layer=None,
             padding_side=None):
-    """The pass of ``run_with_hooks`` (and of a ``HookedTransformer``'s ``model(input)``)."""
+    """The pass of ``run_with_hooks`` (and of a ``HookedTransformer``'s ``model(input)``), with the backward hooks on
+    the model and, on the attached SAEs' values, the hooks on the model."""
+    from .saes import hooked_pass
+
     if return_type not in ("logits", "loss", "both", None):
         raise ValueError(f"return_type is one of 'logits', 'loss', 'both' or None, not {return_type!r}.")
     stop = None if stop_at_layer is None else hook_passes.stop_block(model, stop_at_layer)
@@ -183,18 +224,32 @@ def forward(model, input, fwd_hooks, return_type="logits", loss_per_token=False,
     for point, fn in hook_passes.hooked_points(model, fwd_hooks):
         if hook_passes.before_stop(point, stop):  # TransformerLens never calls the hooks past the stop
             plan.add(point, fn)
+    for point, fn in hook_passes.hooked_points(model, backward_hooks(model)):
+        if hook_passes.before_stop(point, stop):
+            plan.add_backward(point, fn)
     residual = None
     if stop is not None:
         residual = (_standard_point(model, "layer_input", stop) if stop < model.num_layers
                     else _standard_point(model, "layer_output", model.num_layers - 1))
         plan.add(residual)
     inputs = _inputs(model, input, prepend_bos, padding_side)
-    with hook_passes.attention_for(model, plan.needs_attention), model.trace(inputs):
-        plan.run(model, inputs["input_ids"].shape[0])
+    with hooked_pass(model), hook_passes.attention_for(model, plan.needs_attention), model.trace(inputs):
+        plan.run(model, *inputs["input_ids"].shape[:2])
         if residual is not None:
             stream = nnsight.save(residual.read(model))
         elif return_type is not None:
             logits = nnsight.save(model.logits)
+    length = plan.shortened.length  # a hook returned fewer positions: TransformerLens runs on with them
+    if length is not None:
+        if residual is not None:
+            return stream[:, :length]
+        if return_type in ("loss", "both"):
+            raise hook_passes.HookError(
+                f"A hook returned a tensor of {length} positions for a pass of {inputs['input_ids'].shape[1]}: the "
+                "model ran on with those positions, as TransformerLens's does, and their logits no longer line up "
+                "with the tokens for the loss (TransformerLens's loss fails on them too). Return a tensor of the "
+                "hook point's shape, or pass the tokens the hook's tensor was computed for.")
+        logits = logits[:, :length]
     if residual is not None:
         return stream
     if return_type is None:
@@ -234,13 +289,13 @@ def set_use_hook_mlp_in(model, use_hook_mlp_in: bool) -> None:
     """TransformerLens's switch for ``hook_mlp_in``: nnterp always serves it, so this changes nothing."""
 
 
-def _refuse_split_inputs(model, use: bool = True) -> None:
+def _refuse_attn_in(model, use: bool = True) -> None:
     if use:
-        raise TypeError("TransformerLens's split attention inputs (hook_q_input, hook_k_input, hook_v_input, "
-                        "hook_attn_in: one copy of the stream per head) are not served: the model reads one stream "
-                        "for every head, so a per-head edit of it has no tensor in the model to reach. Patch a "
-                        "head's own values instead (attn.hook_q / hook_k / hook_v / hook_z, per head).")
+        raise TypeError("TransformerLens's hook_attn_in (one copy of the stream per head, feeding that head's queries, "
+                        "keys and values at once) is not served: use model.set_use_split_qkv_input(True) and "
+                        "hook_q_input / hook_k_input / hook_v_input, which nnterp serves, or patch a head's own values "
+                        "(attn.hook_q / hook_k / hook_v / hook_z, per head).")
 
 
 SWITCHES = {"set_use_attn_result": set_use_attn_result, "set_use_hook_mlp_in": set_use_hook_mlp_in,
-            "set_use_split_qkv_input": _refuse_split_inputs, "set_use_attn_in": _refuse_split_inputs}
+            "set_use_split_qkv_input": set_use_split_qkv_input, "set_use_attn_in": _refuse_attn_in}

@@ -116,6 +116,30 @@ class HookedTransformer(StandardizedTransformer):
 
     forward = __call__
 
+    def to(self, device_or_dtype, print_details: bool = True) -> HookedTransformer:
+        """Move the model to a device or dtype (in place) and return it, printing what TransformerLens's ``to``
+        prints (``Moving model to device:  cpu``, ``Changing model dtype to torch.float16``) unless
+        ``print_details=False``."""
+        if print_details:
+            if isinstance(device_or_dtype, torch.device):
+                print("Moving model to device: ", device_or_dtype.type)
+            elif isinstance(device_or_dtype, str):
+                print("Moving model to device: ", device_or_dtype)
+            elif isinstance(device_or_dtype, torch.dtype):
+                print("Changing model dtype to", device_or_dtype)
+        self._module.to(device_or_dtype)
+        return self
+
+    def cuda(self, device=None) -> HookedTransformer:
+        """TransformerLens's ``cuda``: ``to("cuda")`` (``cuda:<n>`` for a device number), printing as it does."""
+        if isinstance(device, int):
+            return self.to(f"cuda:{device}")
+        return self.to("cuda" if device is None else device)
+
+    def cpu(self) -> HookedTransformer:
+        """TransformerLens's ``cpu``: ``to(torch.device("cpu"))``, printing as it does."""
+        return self.to(torch.device("cpu"))
+
     def run_with_cache(self, input, *args, **kwargs):
         """``run_with_cache`` (every hook point by default); with SAEs attached (``add_sae``), their own values too,
         under SAELens's names (``f"{hook}.hook_sae_acts_post"``), as SAELens's ``HookedSAETransformer`` caches them."""

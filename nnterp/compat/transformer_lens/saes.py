@@ -27,7 +27,7 @@ import torch
 from ...dictionaries import Dictionary, from_saelens, transformerlens_site
 from ...dictionaries.splicing import place, splice
 from ...tools.activation_cache import ActivationCache, run_with_cache
-from ...tools.hook_passes import HookContext
+from ...tools.hook_passes import HookContext, gradient_hook
 from .hooked_module import names_predicate
 
 # what SAELens's HookedSAETransformer caches of each SAE, under f"{hook name}.{entry}"
@@ -84,11 +84,12 @@ def sae_name(sae: Dictionary) -> str:
 
 
 def splice_attached(model, attached: AttachedSAE) -> None:
-    """The body of an attached SAE's edit: the SAE spliced in one forward pass, its values recorded when asked."""
+    """The body of an attached SAE's edit: the SAE spliced in one forward pass, its values recorded when asked, and
+    in a pass of TransformerLens's methods (``attached.hooks`` a dict) hooked."""
     spliced = splice(model, attached.sae, keep_error=attached.use_error_term)
     with spliced as features:
         if attached.hooks is not None:
-            hook_sae_values(attached, spliced, features)
+            hook_sae_values(model, attached, spliced, features)
     if attached.record is not None:
         attached.record.update(entries(attached, spliced))
 
@@ -96,16 +97,29 @@ def splice_attached(model, attached: AttachedSAE) -> None:
 # the SAE's values a hook may edit, and where the edit reaches the model
 HOOKABLE = {"hook_sae_acts_post": "the features, which the model goes on with decoded",
             "hook_sae_error": "the error, which the model goes on with added to the reconstruction"}
+# the SAE's values a backward hook gets the gradient of (SAELens computes the error without gradients)
+BACKWARD = ("hook_sae_acts_post",)
 
 
-def hook_sae_values(attached: AttachedSAE, spliced, features: torch.Tensor) -> None:
+def _chosen(names, full: str) -> bool:
+    return names(full) if callable(names) else names == full
+
+
+def hook_sae_values(model, attached: AttachedSAE, spliced, features: torch.Tensor) -> None:
     """Inside the splice: each hook function on the SAE's features (then on its error, with ``use_error_term``)
-    called as ``fn(tensor, hook)``; an in-place edit or a returned tensor reaches the model."""
+    called as ``fn(tensor, hook)``, the hooks on the model (``add_hook``) first, then the call's own; an in-place edit
+    or a returned tensor reaches the model. The backward hooks on the model on its features get their gradient."""
+    from .hooks import sae_hooks
+
     for entry in HOOKABLE:
-        fns = attached.hooks.get(entry, [])
-        if not fns:
+        full = f"{attached.prefix}.{entry}"
+        if entry == "hook_sae_error" and not attached.use_error_term:
             continue
-        context = HookContext(f"{attached.prefix}.{entry}", attached.sae.site[0] if attached.sae.site else None)
+        fns = [fn for names, fn in sae_hooks(model, "fwd") if _chosen(names, full)] + attached.hooks.get(entry, [])
+        bwd = [fn for names, fn in sae_hooks(model, "bwd") if _chosen(names, full)] if entry in BACKWARD else []
+        if not (fns or bwd):
+            continue
+        context = HookContext(full, attached.sae.site[0] if attached.sae.site else None)
         value = features if entry == "hook_sae_acts_post" else spliced.error
         for fn in fns:
             result = fn(value, context)
@@ -114,20 +128,57 @@ def hook_sae_values(attached: AttachedSAE, spliced, features: torch.Tensor) -> N
                     raise TypeError(f"A hook on {context.name} returned {type(result).__name__}: a hook returns a "
                                     "tensor (which replaces the value) or None.")
                 value = result
+        if bwd and value.requires_grad:  # the gradient of the features the model goes on with
+            value.register_hook(gradient_hook(bwd, context))
         if entry == "hook_sae_acts_post":
             spliced.features = value
         else:
             spliced.error = value
 
 
+def check_sae_hook(model, name: str, dir: str) -> None:
+    """A hook named after an SAE's value (``f"{hook}.hook_sae_acts_post"``), refused unless an attached SAE has it
+    and nnterp's hooks reach it: in the forward pass ``HOOKABLE``, backward ``BACKWARD``."""
+    found = [(one, entry) for one in attached_saes(model).values() for entry in SAE_ENTRIES
+             if f"{one.prefix}.{entry}" == name]
+    if not found:
+        attached = [f"{one.prefix}.<entry>" for one in attached_saes(model).values()]
+        raise KeyError(f"No attached SAE has the hook point {name!r} (attached: {', '.join(attached) or 'none'}; "
+                       "attach the SAE first with model.add_sae(sae)).")
+    one, entry = found[0]
+    if dir == "bwd" and entry not in BACKWARD:
+        raise TypeError(f"A backward hook on {name}: nnterp's backward hooks on an SAE get the gradient of its "
+                        "features (hook_sae_acts_post); the SAE's other values are copies outside the model's graph "
+                        "(SAELens computes hook_sae_error without gradients).")
+    if dir == "fwd" and (entry not in HOOKABLE or (entry == "hook_sae_error" and not one.use_error_term)):
+        raise TypeError(f"A hook on {name}: nnterp's hooks on an SAE edit {', '.join(HOOKABLE)} "
+                        f"({'; '.join(HOOKABLE.values())}; hook_sae_error with use_error_term=True). Read the others "
+                        "with run_with_cache_with_saes.")
+
+
+@contextmanager
+def hooked_pass(model):
+    """``with hooked_pass(model):`` a pass of TransformerLens's methods: the hooks on the model (``add_hook``) on the
+    attached SAEs' values run in it (not in a ``model.trace`` of the user's)."""
+    fresh = [one for one in attached_saes(model).values() if one.hooks is None]
+    for one in fresh:
+        one.hooks = {}
+    try:
+        yield model
+    finally:
+        for one in fresh:
+            one.hooks = None
+
+
 def entries(attached: AttachedSAE, spliced) -> dict[str, torch.Tensor]:
     """SAELens's cache entries of one splice: the input (flat, in the SAE's dtype), the pre-activations, the
-    features, the reconstruction before the input's normalization is undone, the error (with ``use_error_term``)
-    and what the model went on with, in the site's own shape."""
+    features (as the hooks on them left them), the reconstruction before the input's normalization is undone, the
+    error (with ``use_error_term``) and what the model went on with, in the site's own shape."""
     sae = attached.sae
     sae_input = spliced._input.to(sae.dtype)
+    features = spliced.features.detach()
     found = {"hook_sae_input": sae_input, "hook_sae_acts_pre": sae._pre(sae._processed(sae_input)[0]),
-             "hook_sae_acts_post": spliced._original, "hook_sae_recons": sae._recons(spliced._original)}
+             "hook_sae_acts_post": features, "hook_sae_recons": sae._recons(features)}
     if attached.use_error_term:
         found["hook_sae_error"] = spliced.error.reshape(spliced.written.shape)
     found["hook_sae_output"] = spliced.written
@@ -169,6 +220,16 @@ def add_sae(model, sae: Dictionary, use_error_term: bool | None = None) -> None:
         raise RuntimeError("model.edit(inplace=True) did not store one edit for the SAE: nnsight's edits changed.")
     attached.mediator = model._edits[-1]
     attached_saes(model)[name] = attached
+    name_hook_points(attached)
+
+
+def name_hook_points(attached: AttachedSAE) -> None:
+    """A SAELens SAE's own hook points named after the hook it is attached at (``blocks.5.attn.hook_z.hook_sae_input``),
+    as SAELens's ``add_sae`` names them (``setup()``), and left so after it is reset; its ``hook_sae_error`` and
+    ``hook_sae_output`` keep their names (SAELens's wrapper runs hook points of its own for them)."""
+    for entry, hook_point in dict(getattr(attached.given, "hook_dict", None) or {}).items():
+        if entry not in ("hook_sae_error", "hook_sae_output") and hasattr(hook_point, "name"):
+            hook_point.name = f"{attached.prefix}.{entry}"
 
 
 def reset_saes(model, act_names: str | Iterable[str] | None = None) -> None:
@@ -227,7 +288,7 @@ def run_with_saes(model, input, *, saes: Dictionary | Iterable[Dictionary] = (),
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type is one of {', '.join(map(repr, RETURN_TYPES))}, not {return_type!r}.")
     options = {"prepend_bos": prepend_bos, "padding_side": padding_side, "stop_at_layer": stop_at_layer}
-    with model.saes(saes=saes, reset_saes_end=reset_saes_end, use_error_term=use_error_term):
+    with model.saes(saes=saes, reset_saes_end=reset_saes_end, use_error_term=use_error_term), hooked_pass(model):
         logits, cache = run_with_cache(model, input, names=[], **{k: v for k, v in options.items() if v is not None})
     if stop_at_layer is not None:  # the stream entering the block, as the model's call returns it
         return logits
@@ -254,7 +315,8 @@ def run_with_cache_with_saes(model, input, *, saes: Dictionary | Iterable[Dictio
         for one in attached:
             one.record = {}
         try:
-            logits, cache = run_with_cache(model, input, **_cache_options(attached, names_filter, cache_options))
+            with hooked_pass(model):
+                logits, cache = run_with_cache(model, input, **_cache_options(attached, names_filter, cache_options))
             recorded = {name: tensor for one in attached for name, tensor in one.record.items() if keep(name)}
         finally:
             for one in attached:
