@@ -92,6 +92,9 @@ class VLLMFamily:
     classes: tuple[str, ...] = ()
     # the config values vLLM's code for the family assumes: a config with others is refused before any engine starts
     requires: dict[str, object] = field(default_factory=dict)
+    # transformers' own modules (vLLM's Transformers backend, ``nnterp.vllm.backend``): activations are
+    # [1, tokens, ...] per request, as on transformers, and the values are read and written by the core's ``At``
+    batched: bool = False
 
     def reason(self, name: str) -> str:
         """Why the standard value ``name`` has no place in vLLM's code for this family."""
@@ -294,28 +297,24 @@ FAMILIES["StableLM"] = VLLMFamily(
                           "never a tensor; mlp_neurons is that op's output"},
 )
 
-# served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)
-TRANSFORMERS_BACKEND = ("GPT-NeoX", "OLMo", "OLMo-2", "Phi")
-
-
 def family_for(model_type: str) -> VLLMFamily:
-    """The vLLM placement of the family of ``model_type`` (a config's), or a ``NotImplementedError`` naming why."""
+    """The vLLM placement of the family of ``model_type`` (a config's), or a ``NotImplementedError`` naming why. A
+    family vLLM runs through its Transformers backend is placed for the family's tiny config (``served_family``
+    places it for the checkpoint's own)."""
     from ..families import BY_MODEL_TYPE
+    from .backend import GATED, backend_family
 
     family = BY_MODEL_TYPE.get(model_type)
     name = family.name if family is not None else model_type
     placed = FAMILIES.get(name)
-    if placed is None and name in TRANSFORMERS_BACKEND:
-        raise NotImplementedError(
-            f"StandardizedVLLM does not place the standard values on {name} yet: vLLM 0.32 has no model of its own "
-            "for it and serves it through its Transformers backend (transformers' modules under another root, "
-            "activations [1, tokens, width] for the whole step), which nnterp/vllm/places.py does not describe. "
-            "Use StandardizedTransformer for it.")
+    if placed is None and name in GATED:
+        return backend_family(family, family.tiny_config().get_text_config())
     if placed is None:
         raise NotImplementedError(
             f"StandardizedVLLM has no placement of the standard values in vLLM's code for {name} (model_type "
             f"{model_type!r}): vLLM reimplements each family with its own module names and block calls, and this "
-            f"one is not declared in nnterp/vllm/places.py. Placed: {', '.join(sorted(FAMILIES))}. Use "
+            f"one is declared neither in nnterp/vllm/places.py nor, for its Transformers backend, in "
+            f"nnterp/vllm/backend.py. Placed: {', '.join(sorted([*FAMILIES, *GATED]))}. Use "
             "StandardizedTransformer for it.")
     return placed
 
@@ -346,15 +345,21 @@ def vllm_class(config, model_impl: str = "auto") -> str:
 def served_family(config, model_impl: str = "auto") -> VLLMFamily:
     """The placement of ``config``'s family, checked against the code vLLM will run for it (``vllm_class``), or a
     ``NotImplementedError`` naming why, before any engine starts."""
-    family = family_for(config.get_text_config().model_type)
+    from ..families import BY_MODEL_TYPE
+    from .backend import backend_family
+
+    text = config.get_text_config()
+    family = family_for(text.model_type)
     runs = vllm_class(config, model_impl)
+    if family.batched and runs in family.classes:  # placed for this checkpoint's own config (its block's variant)
+        return backend_family(BY_MODEL_TYPE[text.model_type], text)
     if runs not in family.classes:
         backend = runs.startswith("transformers.")
         raise NotImplementedError(
             f"StandardizedVLLM does not place the standard values on {config.model_type!r} "
             f"({', '.join(config.architectures or [])}): nnterp files it under {family.name}, but vLLM would run "
-            + ("it through its Transformers backend (transformers' modules under another root, activations "
-               "[1, tokens, width] for the whole step)" if backend else f"its own class {runs}")
+            + ("it through its Transformers backend, where nnterp/vllm/backend.py places it only for the families "
+               "proven there" if backend else f"its own class {runs}")
             + f", not the code the {family.name} places describe ({', '.join(family.classes)}; "
             "nnterp/vllm/places.py). Use StandardizedTransformer for it.")
     return family

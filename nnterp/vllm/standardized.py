@@ -30,6 +30,7 @@ from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment
 from . import tools
 from .attention import kernel_facts, recomputed, refuse_write
+from .backend import check_tree
 from .places import FUSED, FromKernel, FusedStream, Place, VLLMFamily, served_family, sharded
 from .stream import StreamAt, check_streams, read_stream
 
@@ -93,6 +94,12 @@ def _place_of(envoy, name: str) -> Place:
     return place
 
 
+def _block_of(envoy):
+    """The block envoy ``envoy`` (a block, or its attention or MLP: a child of it) belongs to, which the core's
+    locations are relative to."""
+    return envoy if envoy.path == envoy._nnterp_block_path else envoy.parent
+
+
 def _inside_a_trace() -> bool:
     try:
         Mediator.current("a standard value")
@@ -110,6 +117,8 @@ def read_value(envoy, name: str) -> torch.Tensor:
     location = _location(envoy, place)
     mediator = Mediator.current(location)
     check_streams(mediator)
+    if envoy._nnterp_family.batched:  # transformers' own modules, [1, tokens, ...]: read as the core reads them
+        return place.read(_block_of(envoy), envoy._nnterp_heads)
     if isinstance(place, FusedStream):
         return read_stream(envoy, place, name, location, mediator)
     if isinstance(place, FromKernel):
@@ -126,6 +135,9 @@ def write_value(envoy, name: str, value) -> None:
         refuse_write(value_named(name).key)
     location = _location(envoy, place)
     check_streams(Mediator.current(location))
+    if envoy._nnterp_family.batched:  # as the core writes a value on transformers' modules
+        place.write(_block_of(envoy), value, envoy._nnterp_heads, value_named(name).key)
+        return
     raw = Mediator.value(location)
     fused = isinstance(place, FusedStream)
     stream = StreamAt("", place.side, place.parts) if fused else None
@@ -299,7 +311,10 @@ class StandardizedVLLM(VLLM):
         self._nnterp_vllm_family = family
         self._nnterp_config = config
         self._nnterp_checkpoint, self._nnterp_dtype = str(model), dtype
-        kernels = [kernel_facts(self._module.get_submodule(f"{family.layers}.{layer}.{family.attention}.attn"))
+        if family.batched:  # the Transformers backend's tree, checked against what backend.py declares
+            check_tree(family, self._module)
+        kernels = [None if family.batched else
+                   kernel_facts(self._module.get_submodule(f"{family.layers}.{layer}.{family.attention}.attn"))
                    for layer in range(len(self.layers))]
         for layer, block in enumerate(self.layers):
             for envoy in {block, getattr(block, family.attention), block.mlp}:

@@ -24,6 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
+_NEOX = dict(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4, vocab_size=128,
+             max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
@@ -55,6 +57,9 @@ CONFIGS = {
                                               bos_token_id=2, eos_token_id=2, pad_token_id=1),
     "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    # vLLM's Transformers backend (nnterp/vllm/backend.py)
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_NEOX),
+    "gpt_neox_sequential": lambda: transformers.GPTNeoXConfig(**_NEOX, use_parallel_residual=False),
 }
 # the transformers modules each standard value is read at (relative to a block): (path, side, element)
 LLAMA_HOOKS = {
@@ -105,7 +110,15 @@ BLOOM_HOOKS = {  # transformers' attention and MLP add the residual inside: thei
     "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp.dense_4h_to_h", "output"),
     "layer_output": ("", "output"),
 }
-HOOKS = {"bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
+NEOX_HOOKS = {  # transformers' GPT-NeoX: parallel (Pythia's) or sequential
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "attention_premix": ("attention.dense", "input"), "attention_output": ("attention", "output"),
+    "layer_mid": ("post_attention_layernorm", "input"), "mlp_norm_output": ("post_attention_layernorm", "output"),
+    "mlp_input": ("mlp", "input"), "mlp_activation": ("mlp.act", "output"),
+    "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+HOOKS = {"gpt_neox": {k: v for k, v in NEOX_HOOKS.items() if k != "layer_mid"}, "gpt_neox_sequential": NEOX_HOOKS,
+         "bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
          "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
          "mlp_neurons": "mlp", "mlp_output": "mlp"}
@@ -136,9 +149,10 @@ def build(family: str, folder: str):
 
 
 def blocks_of(model):
-    if hasattr(model, "transformer"):
-        return model.transformer.h
-    return model.model.decoder.layers if hasattr(model.model, "decoder") else model.model.layers
+    base = model.base_model  # transformer, model, gpt_neox, ...
+    if hasattr(base, "decoder"):
+        return base.decoder.layers
+    return base.h if hasattr(base, "h") else base.layers
 
 
 def first(x):
@@ -193,10 +207,10 @@ def hooked(model, ids, hooks, edit=None):
 
 def readout(model, hidden):
     """Transformers' own readout of a stream: its final norm, its head, the final softcap (Gemma-2)."""
-    if hasattr(model, "transformer"):
-        norm = model.transformer.ln_f
-    else:
-        norm = model.model.decoder.final_layer_norm if hasattr(model.model, "decoder") else model.model.norm
+    base = model.base_model
+    base = getattr(base, "decoder", base)
+    norm = next(getattr(base, name) for name in ("ln_f", "final_layer_norm", "norm", "final_layernorm", "layer_norm")
+                if hasattr(base, name))
     logits = model.get_output_embeddings()(norm(hidden))
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
@@ -227,6 +241,12 @@ def main(family: str) -> dict:
             block.mlp.gelu_impl = torch.nn.GELU()
     model = StandardizedVLLM(folder, dtype="float32", distributed_executor_backend="uni", max_model_len=128,
                              enable_prefix_caching=False)
+    if model.vllm_family.batched:
+        # vLLM's Transformers backend decorates transformers' backbone class itself for its compilation (the
+        # class's __call__ then reads an attribute its own __init__ sets): the ground truth's instance, made before,
+        # is told to run its forward as it is
+        for module in hf.modules():
+            module.__dict__.setdefault("do_not_compile", True)
     result: dict = {"key": family, "family": model.vllm_family.name, "num_layers": model.num_layers,
                     "hidden_size": model.hidden_size, "num_heads": model.num_heads, "vocab_size": model.vocab_size,
                     "repr_has_names": "layer_output" in repr(model) and "layers" in repr(model)}

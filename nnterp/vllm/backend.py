@@ -1,0 +1,87 @@
+"""The families vLLM runs through its Transformers backend (``vllm.model_executor.models.transformers``): where each
+standard value lives there, derived from the family's transformers spec.
+
+The backend runs transformers' own modules under the causal LM's ``model`` (the backbone, whatever transformers
+calls it), with vLLM's replacements: its parallel linears for ``nn.Linear`` (returning the output alone, as
+``nn.Linear`` does), its norms, its embedding, its attention kernel behind transformers' attention interface, and
+its fusers, which merge q/k/v into one projection and a gated MLP's gate and up projections into one, computing
+``act(gate) * up`` in one op. The blocks are transformers' decoder layers: the stream enters and leaves them as one
+tensor (a plain block), and the activations are ``[1, tokens, width]`` for the whole step, which nnsight narrows to
+each request's tokens (``VLLMBatcher._token_dim``): the layout transformers' values have. So the transformers
+spec's locations (``At``) are read and written here by the core's own code (``At.read`` / ``At.write``), at the
+same module boundaries, but for what the fusers took away (``fused``).
+"""
+
+from __future__ import annotations
+
+from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
+from ..spec.locations import Unavailable
+from .places import PLAIN, VLLMFamily
+
+CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
+
+# the nnterp families whose blocks are placed here, each proven against transformers (tests/vllm/test_vllm.py),
+# with whether vLLM's GLU fuser fuses its MLP's act(gate) * up (a gated MLP: Llama's)
+GATED = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM": True, "GPT-BigCode": False,
+         "StarCoder2": False, "SmolLM3": True, "VaultGemma": True, "Phi": False, "Persimmon": False,
+         "CodeGen": False, "BioGPT": False, "GPT-Neo": False, "Doge": True}
+
+KERNEL = ("vLLM's Transformers backend calls its attention kernel as `attn.forward(q, k, v)` from transformers' "
+          "attention interface (vllm_attention_forward), not through the module call nnsight hooks, so the kernel's "
+          "inputs are at no boundary nnsight reads; and the interface's own inputs are [1, heads, tokens, dim] for "
+          "the whole step, which nnsight does not split per request. The scores and probabilities never exist as "
+          "tensors (vLLM's paged-attention kernel)")
+GLU = ("vLLM's Transformers backend fuses the gated MLP's gate and up projections and computes act(gate) * up in "
+       "one op (its GLU fuser: the act module becomes an act-and-mul): act(gate) alone is never a tensor; "
+       "mlp_neurons is that op's output")
+OPERATION = ("read at an operation inside transformers' forward (`.source`), which vLLM's Transformers backend "
+             "recompiles where it fuses modules: nnterp reads it at module boundaries only there")
+# the block's values (``mixer_output`` is the attention's output on these families)
+NAMES = [value.name for value in CATALOG if value.owner in ("block", "self_attn", "mlp")
+         and value.name not in ("mixer_output", *ATTENTION_INTERNALS)]
+
+
+def _under_model(path: str | None) -> str | None:
+    """A path from transformers' causal LM root, from the backend's: its backbone is ``model`` whatever
+    transformers names it (``gpt_neox.layers`` is ``model.layers``)."""
+    return None if path is None else "model." + path.partition(".")[2]
+
+
+def backend_family(spec, config) -> VLLMFamily:
+    """``spec``'s (an nnterp ``Family``) placement in vLLM's Transformers backend for ``config`` (its text config):
+    its transformers locations, those the fusers took away said unavailable, the attention's internals refused."""
+    block = spec.block(config, 0)
+    values, unavailable = {}, dict.fromkeys(ATTENTION_INTERNALS, KERNEL)
+    for name in NAMES:
+        location = block.resolve(name)
+        if isinstance(location, Unavailable):
+            unavailable[name] = location.reason
+        elif location.op or location.join:
+            unavailable[name] = OPERATION
+        elif name == "mlp_activation" and GATED[spec.name]:
+            unavailable[name] = GLU
+        else:
+            values[name] = location
+    return VLLMFamily(name=spec.name, shape=PLAIN, values=values, layers=_under_model(spec.layers),
+                      embed_tokens=_under_model(spec.embed_tokens), ln_final=_under_model(spec.ln_final),
+                      attention=spec.attention, mlp=spec.mlp, unavailable=unavailable, classes=CLASSES, batched=True)
+
+
+def check_tree(family: VLLMFamily, root) -> None:
+    """Raise where the backend's module tree (``root``, the engine's model) is not the one ``family`` describes: a
+    module a value is read at that the fusers removed, or an activation the GLU fuser fused that is declared
+    apart. The declaration is then wrong for this checkpoint, and no value is read from it."""
+    block = root.get_submodule(f"{family.layers}.0")
+    wrong = []
+    for name, place in family.values.items():
+        try:
+            module = block.get_submodule(place.path) if place.path else block
+        except AttributeError:
+            wrong.append(f"{name} at {place.path} (no such module in vLLM's tree)")
+            continue
+        if name == "mlp_activation" and type(module).__name__.endswith("AndMul"):
+            wrong.append(f"{name} at {place.path} ({type(module).__name__}: act(gate) * up fused)")
+    if wrong:
+        raise NotImplementedError(
+            f"vLLM's Transformers backend built {family.name}'s blocks otherwise than nnterp/vllm/backend.py "
+            f"describes: {'; '.join(wrong)}. Use StandardizedTransformer for it.")
