@@ -21,8 +21,9 @@ from .places import PLAIN, VLLMFamily
 CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
 
 # the nnterp families whose blocks are placed here, each proven against transformers (tests/vllm/test_vllm.py),
-# with whether vLLM's GLU fuser fuses its MLP's act(gate) * up (a gated MLP: Llama's)
-GATED = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM": True, "GPT-BigCode": False,
+# with whether vLLM's GLU fuser fuses its MLP's act(gate) * up (a gated MLP with separate gate and up projections:
+# Llama's; GLM's, already one projection in transformers, keeps its activation module)
+GATED = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM": False, "GPT-BigCode": False,
          "StarCoder2": False, "SmolLM3": True, "VaultGemma": True, "Phi": False, "Persimmon": False,
          "CodeGen": False, "BioGPT": False, "GPT-Neo": False, "Doge": True}
 
@@ -62,9 +63,22 @@ def backend_family(spec, config) -> VLLMFamily:
             unavailable[name] = GLU
         else:
             values[name] = location
-    return VLLMFamily(name=spec.name, shape=PLAIN, values=values, layers=_under_model(spec.layers),
+    return VLLMFamily(name=spec.name, shape=PLAIN, values=_in_forward_order(values), layers=_under_model(spec.layers),
                       embed_tokens=_under_model(spec.embed_tokens), ln_final=_under_model(spec.ln_final),
                       attention=spec.attention, mlp=spec.mlp, unavailable=unavailable, classes=CLASSES, batched=True)
+
+
+def _in_forward_order(values: dict) -> dict:
+    """``values`` (the catalog's order) with each value read at an earlier one's boundary moved beside it: a parallel
+    block's one norm feeds both sublayers, so ``mlp_norm_output`` is read where ``attention_norm_output`` is,
+    before the attention runs (a trace reads values in forward order: run_with_cache, collect)."""
+    ordered = {}
+    for name, place in values.items():
+        if name not in ordered:
+            ordered[name] = place
+            ordered.update({other: at for other, at in values.items()
+                            if other not in ordered and (at.path, at.side) == (place.path, place.side)})
+    return ordered
 
 
 def check_tree(family: VLLMFamily, root) -> None:

@@ -241,6 +241,19 @@ def _salted(prompt):
     return {**prompt, "cache_salt": salt}
 
 
+def _normed(norm, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` through vLLM's own final norm (an RMSNorm or a LayerNorm), as pure tensor steps on its weights."""
+    dtype = hidden.dtype
+    (centred, eps), offset = norm_form(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
+    if not centred:  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
+        wide = hidden.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
+        normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
+    else:  # LayerNorm
+        normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight, norm.bias, eps)
+    return normed
+
+
 class StandardizedVLLM(VLLM):
     """A vLLM engine whose blocks expose nnterp's standard values under the standard names.
 
@@ -406,14 +419,10 @@ class StandardizedVLLM(VLLM):
         norm = root.get_submodule(family.ln_final)
         head = getattr(root, "lm_head", None) or root.get_submodule(family.embed_tokens)  # Gemma-2: tied, no head
         processor = root.logits_processor
-        dtype = hidden.dtype
-        (centred, eps), offset = norm_form(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
-        if not centred:  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
-            wide = hidden.float()
-            wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
-            normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
-        else:  # LayerNorm
-            normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight, norm.bias, eps)
+        if family.batched:  # transformers' own final norm, or vLLM's in its place: its forward, off nnsight's hooks
+            normed = type(norm).forward(norm, hidden)
+        else:
+            normed = _normed(norm, hidden)
         logits = normed @ head.weight[: self.vocab_size].T
         bias = getattr(head, "bias", None)
         if bias is not None:

@@ -60,6 +60,25 @@ CONFIGS = {
     # vLLM's Transformers backend (nnterp/vllm/backend.py)
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**_NEOX),
     "gpt_neox_sequential": lambda: transformers.GPTNeoXConfig(**_NEOX, use_parallel_residual=False),
+    "olmo": lambda: transformers.OlmoConfig(**SMALL),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL),
+    "olmo3": lambda: transformers.Olmo3Config(**SMALL),
+    "glm": lambda: transformers.GlmConfig(**SMALL, head_dim=32),
+    "starcoder2": lambda: transformers.Starcoder2Config(**SMALL),
+    "smollm3": lambda: transformers.SmolLM3Config(**SMALL),
+    "vaultgemma": lambda: transformers.VaultGemmaConfig(**SMALL, head_dim=32, query_pre_attn_scalar=32),
+    "phi": lambda: transformers.PhiConfig(**_NEOX, partial_rotary_factor=0.5),
+    "persimmon": lambda: transformers.PersimmonConfig(**_NEOX),
+    "biogpt": lambda: transformers.BioGptConfig(**_NEOX),
+    "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128,
+                                                         n_positions=128, bos_token_id=2, eos_token_id=2,
+                                                         pad_token_id=1),
+    "codegen": lambda: transformers.CodeGenConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
+                                                  n_ctx=128, rotary_dim=16, bos_token_id=2, eos_token_id=2,
+                                                  pad_token_id=1),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(num_layers=3, hidden_size=128, num_heads=4, vocab_size=128,
+                                                 max_position_embeddings=128, attention_types=[[["global"], 3]],
+                                                 bos_token_id=2, eos_token_id=2, pad_token_id=1),
 }
 # the transformers modules each standard value is read at (relative to a block): (path, side, element)
 LLAMA_HOOKS = {
@@ -117,7 +136,42 @@ NEOX_HOOKS = {  # transformers' GPT-NeoX: parallel (Pythia's) or sequential
     "mlp_input": ("mlp", "input"), "mlp_activation": ("mlp.act", "output"),
     "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
 }
+POST_NORM_HOOKS = {  # OLMo-2's: the norms after the sublayers, none before
+    "layer_input": ("", "input"), "attention_premix": ("self_attn.o_proj", "input"),
+    "attention_output": ("post_attention_layernorm", "output"), "layer_mid": ("mlp", "input"),
+    "mlp_input": ("mlp", "input"), "mlp_neurons": ("mlp.down_proj", "input"),
+    "mlp_output": ("post_feedforward_layernorm", "output"), "layer_output": ("", "output"),
+}
+PHI_HOOKS = {  # in forward order: one norm's output feeds both sublayers
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "mlp_norm_output": ("input_layernorm", "output"), "attention_premix": ("self_attn.dense", "input"),
+    "attention_output": ("self_attn", "output"), "mlp_input": ("mlp", "input"),
+    "mlp_activation": ("mlp.activation_fn", "output"), "mlp_neurons": ("mlp.fc2", "input"),
+    "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+
+
+def with_activation(hooks: dict, path: str, **changed) -> dict:
+    """``hooks`` (in forward order) with ``changed`` places, and the activation's output at ``path`` read just before
+    the down projection's input."""
+    out = {}
+    for name, place in {**hooks, **changed}.items():
+        if name == "mlp_neurons":
+            out["mlp_activation"] = (path, "output")
+        out[name] = place
+    return out
+
+
+BIOGPT_HOOKS = with_activation(OPT_HOOKS, "activation_fn")
 HOOKS = {"gpt_neox": {k: v for k, v in NEOX_HOOKS.items() if k != "layer_mid"}, "gpt_neox_sequential": NEOX_HOOKS,
+         "olmo2": POST_NORM_HOOKS, "olmo3": POST_NORM_HOOKS, "glm": with_activation(LLAMA_HOOKS, "mlp.activation_fn"),
+         "starcoder2": with_activation(LLAMA_HOOKS, "mlp.act", mlp_neurons=("mlp.c_proj", "input")),
+         "vaultgemma": {**LLAMA_HOOKS, "attention_output": ("self_attn", "output"),
+                        "layer_mid": ("pre_feedforward_layernorm", "input"),
+                        "mlp_norm_output": ("pre_feedforward_layernorm", "output")},
+         "phi": PHI_HOOKS, "codegen": GPTJ_HOOKS, "gpt_bigcode": GPT2_HOOKS, "biogpt": BIOGPT_HOOKS,
+         "persimmon": with_activation(LLAMA_HOOKS, "mlp.act", attention_premix=("self_attn.dense", "input"),
+                                      mlp_neurons=("mlp.dense_4h_to_h", "input")),
          "bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
          "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
