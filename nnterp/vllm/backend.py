@@ -15,7 +15,7 @@ same module boundaries, but for what the fusers took away (``fused``).
 from __future__ import annotations
 
 from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
-from ..spec.locations import Unavailable
+from ..spec.locations import At, Unavailable
 from .places import PLAIN, VLLMFamily
 
 CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
@@ -25,7 +25,31 @@ CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoE
 # Llama's; GLM's, already one projection in transformers, keeps its activation module)
 GATED = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM": False, "GPT-BigCode": False,
          "StarCoder2": False, "SmolLM3": True, "VaultGemma": True, "Phi": False, "Persimmon": False,
-         "CodeGen": False, "BioGPT": False, "GPT-Neo": False, "Doge": True}
+         "CodeGen": False, "BioGPT": False, "FlexOlmo": False,
+         "nanochat": False, "Kolibri-1": False}
+# the nnterp families tried on vLLM 0.32 that it does not run as transformers does: why
+REJECTED = {
+    "GPT-Neo": "vLLM 0.32 does not run GPTNeoForCausalLM: it has no model of its own for it, and its Transformers "
+               "backend refuses it (transformers' GPT-Neo attention does not dispatch through the attention "
+               "interface, where the backend puts vLLM's kernel)",
+    "XGLM": "vLLM 0.32 does not run XGLMForCausalLM: it has no model of its own for it, and its Transformers "
+            "backend refuses it (transformers' XGLM attention does not dispatch through the attention interface, "
+            "where the backend puts vLLM's kernel)",
+    "JetMoE": "vLLM's Transformers backend runs JetMoE's mixture of attention heads otherwise than transformers: the "
+              "engine computes another model (the first attention's output is off by 75% of its size on a tiny "
+              "model, the stream entering it exact)",
+    "Dory": "vLLM's Transformers backend cannot load a Dory checkpoint: its head's logit_scale parameter has no "
+            "place in the head vLLM puts there (ParallelLMHead)",
+    "Beam": "vLLM's Transformers backend cannot run Beam: its attention gates the attention interface's output per "
+            "head, in transformers' [batch, tokens, heads, dim] layout, and vLLM's kernel returns [tokens, heads * dim] "
+            "(its forward fails on the first prompt)",
+    "ZAYA": "vLLM's Transformers backend runs ZAYA's convolutional attention (its CCA projection) over the whole "
+            "step's tokens: requests batched in one step read each other's tokens (a second request's values off by "
+            "their own size on a tiny model, the first one's exact)",
+    "Doge": "vLLM's Transformers backend runs Doge's attention through vLLM's kernel, which drops the dynamic mask "
+            "transformers adds to the scores (from dt_proj): the engine computes another model than transformers "
+            "(every value from the first attention on differs, by 3e-3 of its size on a tiny model)",
+}
 
 KERNEL = ("vLLM's Transformers backend calls its attention kernel as `attn.forward(q, k, v)` from transformers' "
           "attention interface (vllm_attention_forward), not through the module call nnsight hooks, so the kernel's "
@@ -81,20 +105,30 @@ def _in_forward_order(values: dict) -> dict:
     return ordered
 
 
-def check_tree(family: VLLMFamily, root) -> None:
-    """Raise where the backend's module tree (``root``, the engine's model) is not the one ``family`` describes: a
-    module a value is read at that the fusers removed, or an activation the GLU fuser fused that is declared
-    apart. The declaration is then wrong for this checkpoint, and no value is read from it."""
+def check_tree(family: VLLMFamily, config, root) -> None:
+    """Raise where the backend's module tree (``root``, the engine's model, built for ``config``) is not the one
+    ``family`` describes: a module a value is read at that is not there, or an activation module the GLU fuser
+    fused (an act-and-mul) where ``GATED`` says it did not, or the other way round. The declaration is then wrong
+    for this checkpoint, and no value is read from it."""
+    from ..families import BY_MODEL_TYPE
+
     block = root.get_submodule(f"{family.layers}.0")
     wrong = []
     for name, place in family.values.items():
         try:
-            module = block.get_submodule(place.path) if place.path else block
+            if place.path:
+                block.get_submodule(place.path)
         except AttributeError:
             wrong.append(f"{name} at {place.path} (no such module in vLLM's tree)")
-            continue
-        if name == "mlp_activation" and type(module).__name__.endswith("AndMul"):
-            wrong.append(f"{name} at {place.path} ({type(module).__name__}: act(gate) * up fused)")
+    act = BY_MODEL_TYPE[config.model_type].block(config, 0).resolve("mlp_activation")
+    if isinstance(act, At) and act.path and not act.op:
+        try:
+            fused = type(block.get_submodule(act.path)).__name__.endswith("AndMul")
+        except AttributeError:
+            fused = None
+        if fused is not None and fused != GATED[family.name]:
+            wrong.append(f"the activation at {act.path} is {'' if fused else 'not '}fused with the up projection "
+                         f"(declared {'' if GATED[family.name] else 'not '}fused)")
     if wrong:
         raise NotImplementedError(
             f"vLLM's Transformers backend built {family.name}'s blocks otherwise than nnterp/vllm/backend.py "

@@ -302,13 +302,16 @@ def family_for(model_type: str) -> VLLMFamily:
     family vLLM runs through its Transformers backend is placed for the family's tiny config (``served_family``
     places it for the checkpoint's own)."""
     from ..families import BY_MODEL_TYPE
-    from .backend import GATED, backend_family
+    from .backend import GATED, REJECTED, backend_family
 
     family = BY_MODEL_TYPE.get(model_type)
     name = family.name if family is not None else model_type
     placed = FAMILIES.get(name)
     if placed is None and name in GATED:
         return backend_family(family, family.tiny_config().get_text_config())
+    if placed is None and name in REJECTED:
+        raise NotImplementedError(f"StandardizedVLLM does not serve {name}: {REJECTED[name]}. Use "
+                                  "StandardizedTransformer for it.")
     if placed is None:
         raise NotImplementedError(
             f"StandardizedVLLM has no placement of the standard values in vLLM's code for {name} (model_type "

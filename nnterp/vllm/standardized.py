@@ -325,7 +325,7 @@ class StandardizedVLLM(VLLM):
         self._nnterp_config = config
         self._nnterp_checkpoint, self._nnterp_dtype = str(model), dtype
         if family.batched:  # the Transformers backend's tree, checked against what backend.py declares
-            check_tree(family, self._module)
+            check_tree(family, config, self._module)
         kernels = [None if family.batched else
                    kernel_facts(self._module.get_submodule(f"{family.layers}.{layer}.{family.attention}.attn"))
                    for layer in range(len(self.layers))]

