@@ -27,6 +27,18 @@ GATED = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM":
          "StarCoder2": False, "SmolLM3": True, "VaultGemma": True, "Phi": False, "Persimmon": False,
          "CodeGen": False, "BioGPT": False, "FlexOlmo": False,
          "nanochat": False, "Kolibri-1": False}
+# model types nnterp files under Llama, whose placement describes vLLM's own Llama code, that vLLM runs through its
+# Transformers backend (it has no class of its own for them): placed there by the Llama spec, each with whether the
+# GLU fuser fuses its MLP (Arcee's and Jais-2's are ungated: up, ReLU squared, down)
+THROUGH_BACKEND = {"helium": True, "seed_oss": True, "ministral": True, "cwm": True, "hunyuan_v1_dense": True,
+                   "arcee": False, "jais2": False}
+
+
+def fused_activation(name: str, model_type: str) -> bool:
+    """Whether vLLM's GLU fuser fuses the MLP of the family ``name``'s type ``model_type`` on the backend."""
+    return THROUGH_BACKEND[model_type] if model_type in THROUGH_BACKEND else GATED[name]
+
+
 # the nnterp families tried on vLLM 0.32 that it does not run as transformers does: why
 REJECTED = {
     "GPT-Neo": "vLLM 0.32 does not run GPTNeoForCausalLM: it has no model of its own for it, and its Transformers "
@@ -83,7 +95,7 @@ def backend_family(spec, config) -> VLLMFamily:
             unavailable[name] = location.reason
         elif location.op or location.join:
             unavailable[name] = OPERATION
-        elif name == "mlp_activation" and GATED[spec.name]:
+        elif name == "mlp_activation" and fused_activation(spec.name, config.model_type):
             unavailable[name] = GLU
         else:
             values[name] = location
@@ -126,9 +138,10 @@ def check_tree(family: VLLMFamily, config, root) -> None:
             fused = type(block.get_submodule(act.path)).__name__.endswith("AndMul")
         except AttributeError:
             fused = None
-        if fused is not None and fused != GATED[family.name]:
+        declared = fused_activation(family.name, config.model_type)
+        if fused is not None and fused != declared:
             wrong.append(f"the activation at {act.path} is {'' if fused else 'not '}fused with the up projection "
-                         f"(declared {'' if GATED[family.name] else 'not '}fused)")
+                         f"(declared {'' if declared else 'not '}fused)")
     if wrong:
         raise NotImplementedError(
             f"vLLM's Transformers backend built {family.name}'s blocks otherwise than nnterp/vllm/backend.py "

@@ -349,12 +349,13 @@ def served_family(config, model_impl: str = "auto") -> VLLMFamily:
     """The placement of ``config``'s family, checked against the code vLLM will run for it (``vllm_class``), or a
     ``NotImplementedError`` naming why, before any engine starts."""
     from ..families import BY_MODEL_TYPE
-    from .backend import backend_family
+    from .backend import CLASSES, THROUGH_BACKEND, backend_family
 
     text = config.get_text_config()
     family = family_for(text.model_type)
     runs = vllm_class(config, model_impl)
-    if family.batched and runs in family.classes:  # placed for this checkpoint's own config (its block's variant)
+    # on the backend: placed for this checkpoint's own config (its block's variant), by its family's spec
+    if runs in CLASSES and (family.batched or text.model_type in THROUGH_BACKEND):
         return backend_family(BY_MODEL_TYPE[text.model_type], text)
     if runs not in family.classes:
         backend = runs.startswith("transformers.")

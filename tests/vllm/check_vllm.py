@@ -93,6 +93,14 @@ CONFIGS = {
                                                   n_ctx=128, rotary_dim=16, bos_token_id=2, eos_token_id=2,
                                                   pad_token_id=1),
     "nanochat": lambda: transformers.NanoChatConfig(**SMALL),
+    # types nnterp files under Llama that vLLM runs through the backend
+    "helium": lambda: transformers.HeliumConfig(**SMALL, head_dim=32),
+    "seed_oss": lambda: transformers.SeedOssConfig(**SMALL, head_dim=32),
+    "ministral": lambda: transformers.MinistralConfig(**SMALL, head_dim=32),
+    "cwm": lambda: transformers.CwmConfig(**SMALL, head_dim=32),
+    "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**SMALL, head_dim=32),
+    "arcee": lambda: transformers.ArceeConfig(**SMALL, head_dim=32),
+    "jais2": lambda: transformers.Jais2Config(**SMALL, head_dim=32),
     # sliding attention (window 6: the patched position stays in the last one's window)
     "kolibri1": lambda: scaled("kolibri1", sliding_window=6),
     # refused (nnterp/vllm/backend.py's REJECTED: vLLM computes another model, or refuses it): kept to measure
@@ -210,6 +218,7 @@ HOOKS = {"gpt_neox": {k: v for k, v in NEOX_HOOKS.items() if k != "layer_mid"}, 
          "dory": with_activation(GEMMA2_HOOKS, "mlp.act_fn"), "beam": with_activation(GEMMA2_HOOKS, "mlp.act_fn"),
          "zaya": {k: v for k, v in LLAMA_HOOKS.items() if k != "mlp_neurons"} | {
              "layer_mid": ("post_attention_residual_scale", "output")},
+         "arcee": with_activation(LLAMA_HOOKS, "mlp.act_fn"), "jais2": with_activation(LLAMA_HOOKS, "mlp.act_fn"),
          "phi": PHI_HOOKS, "codegen": GPTJ_HOOKS, "gpt_bigcode": GPT2_HOOKS, "biogpt": BIOGPT_HOOKS,
          "persimmon": with_activation(LLAMA_HOOKS, "mlp.act", attention_premix=("self_attn.dense", "input"),
                                       mlp_neurons=("mlp.dense_4h_to_h", "input")),

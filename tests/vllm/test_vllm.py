@@ -32,7 +32,10 @@ needs_vllm = pytest.mark.skipif(
 # refused (vLLM's GLU fuser fuses the MLP's act(gate) * up; FlexOlmo's experts are routed)
 BACKEND = {"gpt_neox": False, "gpt_neox_sequential": False, "olmo": True, "olmo2": True, "olmo3": True, "glm": False,
            "starcoder2": False, "smollm3": True, "vaultgemma": True, "phi": False, "persimmon": False, "biogpt": False,
-           "gpt_bigcode": False, "codegen": False, "flex_olmo": True, "nanochat": False, "kolibri1": True}
+           "gpt_bigcode": False, "codegen": False, "flex_olmo": True, "nanochat": False, "kolibri1": True,
+           # types nnterp files under Llama that vLLM runs through the backend (placed by the Llama spec)
+           "helium": True, "seed_oss": True, "ministral": True, "cwm": True, "hunyuan_v1_dense": True, "arcee": False,
+           "jais2": False}
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
             "phi3", "stablelm", "glm4", "gptj",
             "falcon", "bloom", "opt", "gpt2", *BACKEND]
