@@ -10,6 +10,9 @@ calling convention between blocks. Two block shapes cover the families placed he
   stream exactly (``0 + x == x`` in every float format).
 * ``plain``: a block takes and returns the stream as one tensor (GPT-2's).
 
+The families vLLM runs through its Transformers backend (transformers' own modules) are placed by their
+transformers spec itself (``nnterp.vllm.backend``), plain blocks read as the core reads them (``batched``).
+
 Each value is declared in the core's vocabulary (``nnterp.spec.locations.At`` and its views, as the transformers
 family specs declare theirs), but for the fused stream, which is no one tensor (``FusedStream``). What differs on
 vLLM is the backend's (``nnterp.vllm.standardized``, ``nnterp.vllm.stream``): activations are flat ``[tokens, width]``

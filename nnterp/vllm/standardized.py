@@ -277,6 +277,9 @@ class StandardizedVLLM(VLLM):
     read the logits at every position or need gradients are refused at their entry, saying what to do instead
     (``REFUSED_TOOLS``; ``RUNNING_TOOLS`` are those that run).
 
+    Families vLLM runs through its Transformers backend (``nnterp.vllm.backend``: transformers' own modules) are read
+    at their transformers spec's own places, by the core's code; their attention's internals are unavailable there.
+
     What differs from transformers: the stream of a fused family (Llama's shape) is computed by the read (the sum
     of the block's two parts) and handed on as ``(0, stream)`` at the trace's next read: exact in float32; in
     bfloat16 the next norm then sees the rounded stream, as transformers' does, where vLLM's own fused add
@@ -296,6 +299,11 @@ class StandardizedVLLM(VLLM):
         config = full_config.get_text_config()
         # by the class vLLM's registry will run (its own, or its Transformers backend), before any engine starts
         family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
+        if engine_kwargs.get("tensor_parallel_size", 1) > 1 and family.batched:
+            raise NotImplementedError(
+                f"StandardizedVLLM serves {family.name} through vLLM's Transformers backend on one rank only: under "
+                "tensor parallelism its fused and replicated layers shard the values otherwise than the families on "
+                "vLLM's own code, which nnterp has not measured. Use tensor_parallel_size=1, or StandardizedTransformer.")
         if engine_kwargs.get("tensor_parallel_size", 1) > 1:
             family = sharded(family)
         differs = {key: getattr(config, key, None) for key, want in family.requires.items()

@@ -99,6 +99,14 @@ for model_type in ("mellum", "helium", "arcee", "llama", "ministral3", "llama-by
         print(model_type, "| served as", served_family(config, "transformers" if "-" in model_type else "auto").name)
     except NotImplementedError as error:
         print(model_type, "|", error)
+folder = tempfile.mkdtemp()  # a backend family under tensor parallelism: refused before an engine starts
+config = transformers.AutoConfig.for_model("gpt_neox")
+config.architectures = ["GPTNeoXForCausalLM"]
+config.save_pretrained(folder)
+try:
+    StandardizedVLLM(folder, tensor_parallel_size=2)
+except NotImplementedError as error:
+    print("gpt_neox-tp2 |", error)
 """
 
 
@@ -109,12 +117,14 @@ def test_a_type_is_served_by_the_code_vllm_runs_for_it_or_refused_before_any_eng
     runs through its Transformers backend, and GPT-NeoX and OLMo-2, which it runs there only, on the backend
     (nnterp/vllm/backend.py). Refused from the registry, before an engine starts (the constructor on a folder with
     no weights refuses rather than starting one): Mellum (under Mixtral, whose placement is vLLM's own code) on the
-    backend, Llama forced onto it, and Doge, which the backend runs otherwise than transformers."""
+    backend, Llama forced onto it, Doge, which the backend runs otherwise than transformers, and a backend family
+    under tensor parallelism."""
     done = subprocess.run([str(PYTHON), "-c", BACKEND], capture_output=True, text=True, cwd=ROOT, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
-    assert len(said) == 9, done.stdout
+    assert len(said) == 10, done.stdout
+    assert "tensor_parallel_size=1" in said["gpt_neox-tp2"], said["gpt_neox-tp2"]
     for model_type in ("llama", "ministral3", "helium", "arcee"):
         assert said.pop(model_type) == "served as Llama", done.stdout
     assert said.pop("gpt_neox") == "served as GPT-NeoX" and said.pop("olmo2") == "served as OLMo-2", done.stdout
