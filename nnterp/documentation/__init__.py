@@ -353,7 +353,7 @@ def _on_vllm(reasons: dict[str, int]) -> list[str]:
     above: ✓ read at a module boundary of vLLM's code, ∑ the fused stream (the sum of a block's two parts), ↻
     recomputed from the attention kernel's inputs, ✗ with the reason. A backend family's column is marked †."""
     from ..families import FAMILIES as SPECS
-    from ..vllm.backend import GATED
+    from ..vllm.backend import BACKEND_FAMILIES
     from ..vllm.places import FAMILIES as PLACED
     from ..vllm.places import FromKernel, FusedStream, family_for
 
@@ -365,7 +365,7 @@ def _on_vllm(reasons: dict[str, int]) -> list[str]:
             return f"✗<sup>{reasons.setdefault(reason, len(reasons) + 1)}</sup>"
         return "∑" if isinstance(place, FusedStream) else "↻" if isinstance(place, FromKernel) else "✓"
 
-    backend = [family_for(spec.model_types[0]) for spec in SPECS if spec.name in GATED]
+    backend = [family_for(spec.model_types[0]) for spec in SPECS if spec.name in BACKEND_FAMILIES]
     placed = sorted([*PLACED.values(), *backend], key=lambda f: f.name.casefold())
     lines = ["## On vLLM", "", f"`StandardizedVLLM` places the values on {len(placed)} families ([vLLM](vllm.md)): "
              f"{len(PLACED)} in vLLM's own model code, {len(backend)} (marked †) in transformers' own modules, which "

@@ -9,7 +9,8 @@ its fusers, which merge q/k/v into one projection and a gated MLP's gate and up 
 tensor (a plain block), and the activations are ``[1, tokens, width]`` for the whole step, which nnsight narrows to
 each request's tokens (``VLLMBatcher._token_dim``): the layout transformers' values have. So the transformers
 spec's locations (``At``) are read and written here by the core's own code (``At.read`` / ``At.write``), at the
-same module boundaries, but for what the fusers took away (``fused``).
+same module boundaries, but for what the backend takes away: the attention kernel's inputs (``KERNEL``), a gated
+MLP's activation where the GLU fuser fuses it (``GLU``), operations inside a recompiled forward (``OPERATION``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from .places import PLAIN, VLLMFamily
 
 CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
 
-# the nnterp families whose blocks are placed here, each proven against transformers (tests/vllm/test_vllm.py),
+# the nnterp families whose blocks are placed here, each proven against transformers (tests/vllm/test_vllm.py), each
 # with whether vLLM's GLU fuser fuses its MLP's act(gate) * up (a gated MLP with separate gate and up projections:
 # Llama's; GLM's, already one projection in transformers, keeps its activation module)
-GATED = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM": False, "GPT-BigCode": False,
+BACKEND_FAMILIES = {"GPT-NeoX": False, "OLMo": True, "OLMo-2": True, "OLMo-3": True, "GLM": False, "GPT-BigCode": False,
          "StarCoder2": False, "SmolLM3": True, "VaultGemma": True, "Phi": False, "Persimmon": False,
          "CodeGen": False, "BioGPT": False, "FlexOlmo": False,
          "nanochat": False, "Kolibri-1": False}
@@ -36,7 +37,7 @@ THROUGH_BACKEND = {"helium": True, "seed_oss": True, "ministral": True, "cwm": T
 
 def fused_activation(name: str, model_type: str) -> bool:
     """Whether vLLM's GLU fuser fuses the MLP of the family ``name``'s type ``model_type`` on the backend."""
-    return THROUGH_BACKEND[model_type] if model_type in THROUGH_BACKEND else GATED[name]
+    return THROUGH_BACKEND[model_type] if model_type in THROUGH_BACKEND else BACKEND_FAMILIES[name]
 
 
 # the nnterp families tried on vLLM 0.32 that it does not run as transformers does: why
@@ -120,7 +121,7 @@ def _in_forward_order(values: dict) -> dict:
 def check_tree(family: VLLMFamily, config, root) -> None:
     """Raise where the backend's module tree (``root``, the engine's model, built for ``config``) is not the one
     ``family`` describes: a module a value is read at that is not there, or an activation module the GLU fuser
-    fused (an act-and-mul) where ``GATED`` says it did not, or the other way round. The declaration is then wrong
+    fused (an act-and-mul) where ``BACKEND_FAMILIES`` says it did not, or the other way round. The declaration is then wrong
     for this checkpoint, and no value is read from it."""
     from ..families import BY_MODEL_TYPE
 

@@ -305,12 +305,12 @@ def family_for(model_type: str) -> VLLMFamily:
     family vLLM runs through its Transformers backend is placed for the family's tiny config (``served_family``
     places it for the checkpoint's own)."""
     from ..families import BY_MODEL_TYPE
-    from .backend import GATED, REJECTED, backend_family
+    from .backend import BACKEND_FAMILIES, REJECTED, backend_family
 
     family = BY_MODEL_TYPE.get(model_type)
     name = family.name if family is not None else model_type
     placed = FAMILIES.get(name)
-    if placed is None and name in GATED:
+    if placed is None and name in BACKEND_FAMILIES:
         return backend_family(family, family.tiny_config().get_text_config())
     if placed is None and name in REJECTED:
         raise NotImplementedError(f"StandardizedVLLM does not serve {name}: {REJECTED[name]}. Use "
@@ -320,7 +320,7 @@ def family_for(model_type: str) -> VLLMFamily:
             f"StandardizedVLLM has no placement of the standard values in vLLM's code for {name} (model_type "
             f"{model_type!r}): vLLM reimplements each family with its own module names and block calls, and this "
             f"one is declared neither in nnterp/vllm/places.py nor, for its Transformers backend, in "
-            f"nnterp/vllm/backend.py. Placed: {', '.join(sorted([*FAMILIES, *GATED]))}. Use "
+            f"nnterp/vllm/backend.py. Placed: {', '.join(sorted([*FAMILIES, *BACKEND_FAMILIES]))}. Use "
             "StandardizedTransformer for it.")
     return placed
 

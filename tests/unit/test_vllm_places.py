@@ -12,7 +12,7 @@ import pytest
 from nnterp.families import FAMILIES as SPECS
 from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
 from nnterp.spec.locations import At, Unavailable
-from nnterp.vllm.backend import CLASSES, GATED, REJECTED
+from nnterp.vllm.backend import BACKEND_FAMILIES, CLASSES, REJECTED
 from nnterp.vllm.places import FAMILIES, FUSED, FromKernel, FusedStream, family_for
 
 BY_NAME = {spec.name: spec for spec in SPECS}
@@ -60,7 +60,7 @@ def test_a_placement_agrees_with_its_family_spec(name):
         assert not any(isinstance(place, FusedStream) for place in placed.values.values())
 
 
-BACKEND_NAMES = sorted(GATED)
+BACKEND_NAMES = sorted(BACKEND_FAMILIES)
 
 
 @pytest.mark.parametrize("name", BACKEND_NAMES)
@@ -79,7 +79,7 @@ def test_a_transformers_backend_family_is_its_spec_at_the_same_modules(name):
         if value in placed.values:
             assert placed.values[value] == location, (value, placed.values[value], location)
             assert not location.op and not location.join
-        elif value == "mlp_activation" and GATED[name] and not isinstance(location, Unavailable):
+        elif value == "mlp_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
             assert "act(gate) * up in one op" in placed.reason(value)
         else:
             assert isinstance(location, Unavailable) or location.op, f"{name}: {value} dropped without a reason"
