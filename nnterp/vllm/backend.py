@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
 from ..spec.locations import At, Unavailable
-from .places import PLAIN, VLLMFamily
+from .family import PLAIN, VLLMFamily
 
 CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
 
