@@ -348,11 +348,14 @@ def availability_page() -> str:
 
 
 def _on_vllm(reasons: dict[str, int]) -> list[str]:
-    """The vLLM column of each placed family (``nnterp.vllm.places``: the same declarations StandardizedVLLM reads
-    by), as tables like the ones above: ✓ read at a module boundary of vLLM's code, ∑ the fused stream (the sum of a
-    block's two parts), ↻ recomputed from the attention kernel's inputs, ✗ with the reason."""
+    """The vLLM column of each placed family (``nnterp.vllm.places``, and ``nnterp.vllm.backend`` for those vLLM runs
+    through its Transformers backend: the same declarations StandardizedVLLM reads by), as tables like the ones
+    above: ✓ read at a module boundary of vLLM's code, ∑ the fused stream (the sum of a block's two parts), ↻
+    recomputed from the attention kernel's inputs, ✗ with the reason. A backend family's column is marked †."""
+    from ..families import FAMILIES as SPECS
+    from ..vllm.backend import BACKEND_FAMILIES
     from ..vllm.places import FAMILIES as PLACED
-    from ..vllm.places import FromKernel, FusedStream
+    from ..vllm.places import FromKernel, FusedStream, family_for
 
     def cell(family, value) -> str:
         name = "attention_output" if value.name == "mixer_output" else value.name
@@ -362,15 +365,18 @@ def _on_vllm(reasons: dict[str, int]) -> list[str]:
             return f"✗<sup>{reasons.setdefault(reason, len(reasons) + 1)}</sup>"
         return "∑" if isinstance(place, FusedStream) else "↻" if isinstance(place, FromKernel) else "✓"
 
-    placed = sorted(PLACED.values(), key=lambda f: f.name.casefold())
-    lines = ["## On vLLM", "", f"`StandardizedVLLM` places the values on {len(placed)} families in vLLM's own model "
-             "code ([vLLM](vllm.md)): ✓ at a module boundary, ∑ the fused stream (the sum of the block's two "
-             "parts), ↻ recomputed from the queries and keys entering the attention kernel (the prompt's pass), ✗ "
-             "unavailable (the reason is numbered below).", ""]
+    backend = [family_for(spec.model_types[0]) for spec in SPECS if spec.name in BACKEND_FAMILIES]
+    placed = sorted([*PLACED.values(), *backend], key=lambda f: f.name.casefold())
+    lines = ["## On vLLM", "", f"`StandardizedVLLM` places the values on {len(placed)} families ([vLLM](vllm.md)): "
+             f"{len(PLACED)} in vLLM's own model code, {len(backend)} (marked †) in transformers' own modules, which "
+             "vLLM runs through its Transformers backend. ✓ at a module boundary, ∑ the fused stream (the sum of the "
+             "block's two parts), ↻ recomputed from the queries and keys entering the attention kernel (the "
+             "prompt's pass), ✗ unavailable (the reason is numbered below).", ""]
     tables = -(-len(placed) // MOST_FAMILIES_PER_TABLE)
     for n in range(tables):
         chunk = placed[n * len(placed) // tables:(n + 1) * len(placed) // tables]
-        lines += ['<div class="matrix" markdown>', "", "| value (vLLM) | " + " | ".join(f.name for f in chunk) + " |",
+        lines += ['<div class="matrix" markdown>', "", "| value (vLLM) | " + " | ".join(
+                      f.name + ("†" if f.batched else "") for f in chunk) + " |",
                   "|---|" + ":-:|" * len(chunk)]
         lines += [f"| `{value.key}` | " + " | ".join(cell(f, value) for f in chunk) + " |" for value in CATALOG]
         lines += ["", "</div>", ""]

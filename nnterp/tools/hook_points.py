@@ -81,6 +81,11 @@ def get_act_name(name: str, layer: int | str | None = None, layer_type: str | No
     return full
 
 
+# the points a door serves itself, by their name in a block (TransformerLens's split attention inputs: registered by
+# nnterp.compat.transformer_lens.split_inputs when it is imported), so that these tools import no door
+DOOR_POINTS: dict[str, Callable] = {}
+
+
 def split_name(name: str) -> tuple[int | None, str]:
     """``"blocks.5.attn.hook_z"`` -> ``(5, "attn.hook_z")``; ``"hook_embed"`` -> ``(None, "hook_embed")``."""
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
@@ -328,10 +333,11 @@ def _block_point(model, name: str, layer: int, tail: str) -> Point:
         return _mlp_in(model, name, layer)
     if tail == "attn.hook_attn_scores":
         return ScoresPoint(_standard(model, name, layer, "attention_scores"))
-    if tail in ("hook_q_input", "hook_k_input", "hook_v_input"):  # TransformerLens's per-head copies: its door's
-        from ..compat.transformer_lens.split_inputs import split_input_point
-
-        return split_input_point(model, name, layer, tail)
+    if tail in DOOR_POINTS:  # TransformerLens's per-head copies of the stream: its door's
+        return DOOR_POINTS[tail](model, name, layer, tail)
+    if tail in ("hook_q_input", "hook_k_input", "hook_v_input"):
+        raise _unavailable(model, name, "TransformerLens's split attention inputs are served by nnterp.HookedTransformer "
+                                        "after model.set_use_split_qkv_input(True)")
     key = tail.removeprefix("hook_") if tail.startswith("hook_") else tail
     return _standard(model, name, layer, TRANSFORMERLENS_NAMES[key])
 

@@ -10,6 +10,9 @@ calling convention between blocks. Two block shapes cover the families placed he
   stream exactly (``0 + x == x`` in every float format).
 * ``plain``: a block takes and returns the stream as one tensor (GPT-2's).
 
+The families vLLM runs through its Transformers backend (transformers' own modules) are placed by their
+transformers spec itself (``nnterp.vllm.backend``), plain blocks read as the core reads them (``batched``).
+
 Each value is declared in the core's vocabulary (``nnterp.spec.locations.At`` and its views, as the transformers
 family specs declare theirs), but for the fused stream, which is no one tensor (``FusedStream``). What differs on
 vLLM is the backend's (``nnterp.vllm.standardized``, ``nnterp.vllm.stream``): activations are flat ``[tokens, width]``
@@ -20,101 +23,22 @@ location's views.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from ..families.base import PARALLEL_NO_MID, ROUTED
-from ..spec.catalog import ATTENTION_INTERNALS, value_named
-from ..spec.errors import ValueUnavailable
+from ..spec.catalog import ATTENTION_INTERNALS
 from ..spec.locations import At
 from ..spec.views import Times, View
+from .backend import BACKEND_FAMILIES, CLASSES, REJECTED, THROUGH_BACKEND, backend_family
+from .family import FUSED, PLAIN, FromKernel, FusedStream, Place, VLLMFamily
 
-FUSED, PLAIN = "fused", "plain"
-
-
-@dataclass(frozen=True)
-class FusedStream:
-    """The stream of a fused block between its sublayers: elements ``parts`` of a boundary (outputs, or positional
-    inputs) added, the first alone where the second is None (block 0's residual). Read as their sum, written back as
-    ``(0, stream)`` (``nnterp.vllm.stream``)."""
-
-    path: str
-    side: str  # "input" | "output"
-    parts: tuple[int, int] = (0, 1)
-    copy = shared = heads = False  # as an ``At`` says them: the stream is a new tensor, handed back as a whole
-    views = ()  # read as [1, tokens, width], the stream's own layout
-
-    def describe(self) -> str:
-        where = (self.path or "<block>") + "." + self.side
-        kind = "output" if self.side == "output" else "input"
-        return f"{where} {kind}s {list(self.parts)} added (the fused stream: written back as (0, stream))"
-
-
-@dataclass(frozen=True)
-class FromKernel:
-    """A value vLLM's attention kernel computes and never materializes (the scores, the probabilities): recomputed
-    from the queries and keys entering the kernel's module ``path`` (``Attention(q, k, v)``), with the kernel's own
-    scale, softcap, sliding window, ALiBi slopes and causal mask (``nnterp.vllm.attention``). Read-only."""
-
-    path: str
-    side = "input"  # read at the kernel's input
-    copy = shared = heads = False
-    views = ()
-
-    def describe(self) -> str:
-        return (f"recomputed from {self.path}.input (the queries and keys entering vLLM's attention kernel) with "
-                "its scale, softcap, sliding window, ALiBi and causal mask: read-only, on the prompt's pass")
-
-
-Place = At | FusedStream | FromKernel  # where a value is read in vLLM's code
+__all__ = ["FUSED", "PLAIN", "FromKernel", "FusedStream", "Place", "VLLMFamily", "FAMILIES", "family_for",
+           "served_family", "sharded", "vllm_class"]
 
 _FUSED_GATE = ("vLLM's gated MLP computes act(gate) * up in one fused op (act_fn, SiluAndMul or GeluAndMul): "
                "act(gate) alone is never a tensor; mlp_neurons is that op's output")
 _INTERNALS = ("vLLM computes the attention in its paged-attention kernel (queries, keys and values leave qkv_proj "
               "fused, are rotated inside the attention's forward and go to the KV cache): there is no module "
               "boundary for them, and the scores and probabilities never exist as tensors")
-
-
-@dataclass(frozen=True)
-class VLLMFamily:
-    """One family in vLLM's code: the module paths (from the causal LM root), the block shape, and each standard
-    value's place on a block (or why it has none)."""
-
-    name: str
-    shape: str  # FUSED | PLAIN
-    values: dict[str, Place]  # in forward order: the order run_with_cache and collect read them in
-    layers: str = "model.layers"
-    embed_tokens: str = "model.embed_tokens"
-    ln_final: str = "model.norm"
-    attention: str = "self_attn"
-    # the MLP module, relative to a block; None where its layers sit on the block (OPT): ``layers[i].mlp`` is then
-    # the block itself, which holds the MLP's values too
-    mlp: str | None = "mlp"
-    unavailable: dict[str, str] = field(default_factory=dict)
-    # vLLM's model classes ("<module>.<Class>" under vllm.model_executor.models) whose code these places describe:
-    # a checkpoint is served only where vLLM's registry resolves its architecture to one of them
-    classes: tuple[str, ...] = ()
-    # the config values vLLM's code for the family assumes: a config with others is refused before any engine starts
-    requires: dict[str, object] = field(default_factory=dict)
-
-    def reason(self, name: str) -> str:
-        """Why the standard value ``name`` has no place in vLLM's code for this family."""
-        return self.unavailable.get(name, "it has no place in vLLM's code for this family")
-
-    def refusal(self, name: str) -> ValueUnavailable:
-        """The error reading the value ``name`` raises on this family, with its reason."""
-        return ValueUnavailable(value_named(name).key, f"{self.name} (vLLM)", self.reason(name))
-
-    def rename(self) -> dict[str, str]:
-        """nnsight aliases giving the standard module names (``model.layers``, ``layers[i].self_attn``, ...)."""
-        names = {self.layers: "layers", self.embed_tokens: "embed_tokens", self.ln_final: "ln_final"}
-        top = self.layers.partition(".")[0]
-        if top != "model":
-            names[top] = "model"
-        if self.mlp is not None and self.mlp != "mlp":
-            names[self.mlp] = "mlp"
-        if self.attention != "self_attn":  # a one-name key binds on every block (GPT-2's attention's own `attn` too)
-            names[self.attention] = "self_attn"
-        return names
 
 
 def _fused(name: str, classes: tuple[str, ...], *, attention_contribution: str = "self_attn", mlp_norm: str = "post_attention_layernorm",
@@ -371,6 +295,7 @@ FAMILIES["GPT-OSS"] = VLLMFamily(
                  "mlp_neurons": ROUTED.reason, "mlp_activation": ROUTED.reason},
 )
 
+
 class HalvesInterleaved(View):
     """A head's query or key in transformers' order, where vLLM's loader reorders each head's rows of the query and
     key projections (Llama 4's: the pairs its rotary rotates, (x0, x1), (x2, x3), ..., moved into two halves for
@@ -399,28 +324,27 @@ FAMILIES["Llama 4"] = _fused("Llama 4", ("llama4.Llama4ForCausalLM",), mlp="feed
     for reason in ("mlp_neurons", "mlp_activation")})
 KERNEL_VIEWS = {"Llama 4": (HalvesInterleaved(),)}  # what a family's queries and keys are read through, at the kernel
 
-# served by vLLM through its Transformers backend (transformers' own modules, the attention swapped for vLLM's)
-TRANSFORMERS_BACKEND = ("GPT-NeoX", "OLMo", "OLMo-2", "Phi")
-
 
 def family_for(model_type: str) -> VLLMFamily:
-    """The vLLM placement of the family of ``model_type`` (a config's), or a ``NotImplementedError`` naming why."""
+    """The vLLM placement of the family of ``model_type`` (a config's), or a ``NotImplementedError`` naming why. A
+    family vLLM runs through its Transformers backend is placed for the family's tiny config (``served_family``
+    places it for the checkpoint's own)."""
     from ..families import BY_MODEL_TYPE
 
     family = BY_MODEL_TYPE.get(model_type)
     name = family.name if family is not None else model_type
     placed = FAMILIES.get(name)
-    if placed is None and name in TRANSFORMERS_BACKEND:
-        raise NotImplementedError(
-            f"StandardizedVLLM does not place the standard values on {name} yet: vLLM 0.32 has no model of its own "
-            "for it and serves it through its Transformers backend (transformers' modules under another root, "
-            "activations [1, tokens, width] for the whole step), which nnterp/vllm/places.py does not describe. "
-            "Use StandardizedTransformer for it.")
+    if placed is None and name in BACKEND_FAMILIES:
+        return backend_family(family, family.tiny_config().get_text_config())
+    if placed is None and name in REJECTED:
+        raise NotImplementedError(f"StandardizedVLLM does not serve {name}: {REJECTED[name]}. Use "
+                                  "StandardizedTransformer for it.")
     if placed is None:
         raise NotImplementedError(
             f"StandardizedVLLM has no placement of the standard values in vLLM's code for {name} (model_type "
             f"{model_type!r}): vLLM reimplements each family with its own module names and block calls, and this "
-            f"one is not declared in nnterp/vllm/places.py. Placed: {', '.join(sorted(FAMILIES))}. Use "
+            f"one is declared neither in nnterp/vllm/places.py nor, for its Transformers backend, in "
+            f"nnterp/vllm/backend.py. Placed: {', '.join(sorted([*FAMILIES, *BACKEND_FAMILIES]))}. Use "
             "StandardizedTransformer for it.")
     return placed
 
@@ -451,15 +375,21 @@ def vllm_class(config, model_impl: str = "auto") -> str:
 def served_family(config, model_impl: str = "auto") -> VLLMFamily:
     """The placement of ``config``'s family, checked against the code vLLM will run for it (``vllm_class``), or a
     ``NotImplementedError`` naming why, before any engine starts."""
-    family = family_for(config.get_text_config().model_type)
+    from ..families import BY_MODEL_TYPE
+
+    text = config.get_text_config()
+    family = family_for(text.model_type)
     runs = vllm_class(config, model_impl)
+    # on the backend: placed for this checkpoint's own config (its block's variant), by its family's spec
+    if runs in CLASSES and (family.batched or text.model_type in THROUGH_BACKEND):
+        return backend_family(BY_MODEL_TYPE[text.model_type], text)
     if runs not in family.classes:
         backend = runs.startswith("transformers.")
         raise NotImplementedError(
             f"StandardizedVLLM does not place the standard values on {config.model_type!r} "
             f"({', '.join(config.architectures or [])}): nnterp files it under {family.name}, but vLLM would run "
-            + ("it through its Transformers backend (transformers' modules under another root, activations "
-               "[1, tokens, width] for the whole step)" if backend else f"its own class {runs}")
+            + ("it through its Transformers backend, where nnterp/vllm/backend.py places it only for the families "
+               "proven there" if backend else f"its own class {runs}")
             + f", not the code the {family.name} places describe ({', '.join(family.classes)}; "
             "nnterp/vllm/places.py). Use StandardizedTransformer for it.")
     return family

@@ -19,194 +19,24 @@ from typing import Any
 import nnsight
 import torch
 from nnsight import Envoy
-from nnsight.intervention.eproperty import eproperty
 from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.vllm import VLLM
 
-from ..core.engine import ValueOutsideTrace
 from ..core.norms import declared_offset, norm_form
 from ..core.order import Availability, AvailabilityTable
 from ..spec.catalog import CATALOG, value_named
 from ..spec.errors import BadAssignment
 from . import tools
-from .attention import kernel_facts, recomputed, refuse_write
-from .places import FUSED, FromKernel, FusedStream, Place, VLLMFamily, served_family, sharded
-from .stream import StreamAt, check_streams, read_stream
+from .attention import kernel_facts
+from .backend import check_tree
+from .places import FUSED, FromKernel, FusedStream, VLLMFamily, served_family, sharded
+from .stream import check_streams
+from .values import ONE_PROMPT, is_fresh, place_of, read_value, write_value
 
 # the worker nnsight's engine runs in, where no CUDA device is present (vLLM's CPU build), by dotted path: vLLM
 # imports it in its own processes
 CPU_WORKER = "nnterp.vllm.worker.NNsightCPUWorker"
 GPU_WORKER = "nnterp.vllm.worker.NNsightSteeringWorker"  # nnsight's CUDA worker, with nnterp's steering RPCs
-
-ONE_PROMPT = ("vLLM runs one request per invoke: give each prompt its own `with tracer.invoke(prompt):` inside "
-              "`with model.trace() as tracer:` (values are [1, tokens, width] per invoke)")
-
-
-class CopyAt:
-    """Host of the copy's eproperty: a tensor the block changes in place after it is read (``At.copy``)."""
-
-    def __init__(self, path: str, place: Place):
-        self.path, self.place = path, place
-
-
-def _copy_view(host: CopyAt, raw) -> torch.Tensor:
-    return _tensor_of(host.place, raw).clone().unsqueeze(0)
-
-
-def _copy_back(host: CopyAt, view: torch.Tensor, raw):
-    tensor = view.squeeze(0)
-    return (tensor, *raw[1:]) if isinstance(raw, (tuple, list)) else tensor
-
-
-COPY_OUTPUT = eproperty(key="output")(_copy_view).transform(_copy_back)
-
-
-# -- reading and writing a standard value -------------------------------------------------------------------------
-
-def _location(envoy, place: Place) -> str:
-    base = envoy._nnterp_block_path + (f".{place.path}" if place.path else "")
-    return f"{base}.{place.side}"
-
-
-def _tensor_of(place: Place, raw) -> torch.Tensor:
-    return place.element(raw)  # the At's own reading of an output (its element where a tuple) or input
-
-
-def _viewed(envoy, place: Place, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
-    """The flat slab of this invoke as ``[1, tokens, ...]`` (the backend's step), then through the location's views
-    (per head: the core's ``Heads``; the keys and values per key-value head), views of the same storage, but for a
-    ``fresh`` view's product (``Times``: Granite's contributions as the stream receives them)."""
-    value = tensor.unsqueeze(0)
-    for view in place.views:
-        value = view.view(value, *_view_args(envoy, name))
-    return value
-
-
-def _view_args(envoy, name: str) -> tuple:  # the block's envoy (a Times view's factor is the block's), the heads
-    heads = envoy._nnterp_kernel["kv_heads"] if name in KV else envoy._nnterp_heads
-    return envoy.__dict__.get("_nnterp_block", envoy), heads
-
-
-def _unviewed(envoy, place: Place, tensor: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tensor:
-    """The module's tensor (``tensor``'s layout) remade from the value ``value``, read through ``place``'s views from
-    ``tensor``: each view's ``unview``, last first (a ``Times`` view divides the edited elements by its factor)."""
-    stages = [tensor.unsqueeze(0)]
-    for view in place.views:
-        stages.append(view.view(stages[-1], *_view_args(envoy, name)))
-    for view, before in zip(reversed(place.views), reversed(stages[:-1])):
-        value = view.unview(value, before, *_view_args(envoy, name))
-    return value.reshape(tensor.shape)
-
-
-def _fresh(place: Place) -> bool:
-    """Whether the value is a product of the module's tensor (a ``fresh`` view), not a view of its storage."""
-    return any(view.fresh for view in place.views)
-
-
-class FreshAt:
-    """Host of a product's eproperty (``_fresh``): handed back through the views' ``unview`` as the trace moves on."""
-
-    def __init__(self, path: str, place: Place, envoy, name: str):
-        self.path, self.place, self.envoy, self.name = path, place, envoy, name
-
-
-def _fresh_view(host: FreshAt, raw) -> torch.Tensor:
-    return _viewed(host.envoy, host.place, _tensor_of(host.place, raw), host.name)
-
-
-def _fresh_back(host: FreshAt, value: torch.Tensor, raw):
-    return _rebuilt(host.place, raw, _unviewed(host.envoy, host.place, _tensor_of(host.place, raw), value, host.name))
-
-
-# one per element: nnsight answers a read with the write-back waiting on the same eproperty (queries' for the keys)
-FRESH = {(side, i): eproperty(key=side)(_fresh_view).transform(_fresh_back) for side in ("input", "output") for i in range(4)}
-
-
-def _rebuilt(place: Place, raw, tensor: torch.Tensor):
-    """The module's output, or its ``(args, kwargs)``, with the place's element replaced by ``tensor``."""
-    if place.side == "input":
-        args, kwargs = raw
-        if len(args) > place.arg:
-            return (*args[: place.arg], tensor, *args[place.arg + 1:]), kwargs
-        return args, {**kwargs, place.kwarg: tensor}
-    if isinstance(raw, (tuple, list)):
-        return (*raw[:place.index], tensor, *raw[place.index + 1:])
-    return tensor
-
-
-KV = ("keys", "values")  # per key-value head (fewer than the query heads with grouped-query attention)
-
-
-def _place_of(envoy, name: str) -> Place:
-    family: VLLMFamily = envoy._nnterp_family
-    place = family.values.get(name)
-    if place is None:
-        raise family.refusal(name)
-    return place
-
-
-def _inside_a_trace() -> bool:
-    try:
-        Mediator.current("a standard value")
-    except ValueError:
-        return False
-    return True
-
-
-def read_value(envoy, name: str) -> torch.Tensor:
-    """Inside a trace: the value ``name`` of the block ``envoy`` belongs to, ``[1, tokens, ...]`` (live). Outside
-    one: where it is read (its tensor exists only inside a trace; ``hasattr`` tells availability everywhere)."""
-    place = _place_of(envoy, name)
-    if not _inside_a_trace():
-        return ValueOutsideTrace(f"layers[{envoy._nnterp_layer}]", value_named(name).key, place.describe())
-    location = _location(envoy, place)
-    mediator = Mediator.current(location)
-    check_streams(mediator)
-    if isinstance(place, FusedStream):
-        return read_stream(envoy, place, name, location, mediator)
-    if isinstance(place, FromKernel):
-        return recomputed(envoy, name, location, mediator)
-    if place.copy:
-        return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
-    if _fresh(place):
-        fresh = FRESH[place.side, place.arg if place.side == "input" else place.index]
-        return fresh.__get__(FreshAt(location.rpartition(".")[0], place, envoy, name))
-    return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)), name)
-
-
-def write_value(envoy, name: str, value) -> None:
-    """Inside a trace: replace the value ``name`` (``[1, tokens, ...]``, the shape it is read with)."""
-    place = _place_of(envoy, name)
-    if isinstance(place, FromKernel):
-        refuse_write(value_named(name).key)
-    location = _location(envoy, place)
-    check_streams(Mediator.current(location))
-    raw = Mediator.value(location)
-    fused = isinstance(place, FusedStream)
-    stream = StreamAt("", place.side, place.parts) if fused else None
-    if fused:
-        first, second = stream.halves(raw)
-        current = first
-    else:
-        current = _tensor_of(place, raw)
-    expected = tuple(_viewed(envoy, place, current, name).shape)
-    key = value_named(name).key
-    if not isinstance(value, torch.Tensor):
-        raise BadAssignment(f"'{key}' takes a torch.Tensor, got {type(value).__name__}.")
-    if tuple(value.shape) != expected:
-        raise BadAssignment(f"'{key}' has shape {list(expected)} on this invoke; the assigned tensor has shape "
-                            f"{list(value.shape)}. {ONE_PROMPT}.")
-    if value.dtype != current.dtype or value.device != current.device:
-        raise BadAssignment(f"'{key}' is {current.dtype} on {current.device}; the assigned tensor is {value.dtype} "
-                            f"on {value.device}: convert it first (value.to(...)).")
-    flat = _unviewed(envoy, place, current, value, name) if _fresh(place) else value.reshape(current.shape)
-    if fused:
-        Mediator.swap(location, stream.with_stream(raw, flat))
-    elif place.shared:
-        current.copy_(flat)
-    else:
-        Mediator.swap(location, _rebuilt(place, raw, flat))
-
 
 def _standard(name: str) -> property:
     value = value_named(name)
@@ -227,7 +57,7 @@ class StandardEnvoy(Envoy):
     def __getattr__(self, name: str):
         family = self.__dict__.get("_nnterp_family")
         if family is not None and name in family.unavailable and name not in family.values:
-            _place_of(self, name)  # raises, with the reason
+            place_of(self, name)  # raises, with the reason
         return Envoy.__getattr__(self, name)
 
 
@@ -276,6 +106,20 @@ def _salted(prompt):
     return {**prompt, "cache_salt": salt}
 
 
+def _normed(norm, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` through vLLM's own final norm (an RMSNorm or a LayerNorm), as pure tensor steps on its weights."""
+    dtype = hidden.dtype
+    (centred, eps), offset = norm_form(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
+    if not centred:  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
+        wide = hidden.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
+        normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
+    else:  # LayerNorm
+        normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight,
+                                                getattr(norm, "bias", None), eps)  # Cohere's has none
+    return normed
+
+
 class StandardizedVLLM(VLLM):
     """A vLLM engine whose blocks expose nnterp's standard values under the standard names.
 
@@ -299,6 +143,9 @@ class StandardizedVLLM(VLLM):
     read the logits at every position or need gradients are refused at their entry, saying what to do instead
     (``REFUSED_TOOLS``; ``RUNNING_TOOLS`` are those that run).
 
+    Families vLLM runs through its Transformers backend (``nnterp.vllm.backend``: transformers' own modules) are read
+    at their transformers spec's own places, by the core's code; their attention's internals are unavailable there.
+
     What differs from transformers: the stream of a fused family (Llama's shape) is computed by the read (the sum
     of the block's two parts) and handed on as ``(0, stream)`` at the trace's next read: exact in float32; in
     bfloat16 the next norm then sees the rounded stream, as transformers' does, where vLLM's own fused add
@@ -318,6 +165,11 @@ class StandardizedVLLM(VLLM):
         config = full_config.get_text_config()
         # by the class vLLM's registry will run (its own, or its Transformers backend), before any engine starts
         family = served_family(full_config, engine_kwargs.get("model_impl", "auto"))
+        if engine_kwargs.get("tensor_parallel_size", 1) > 1 and family.batched:
+            raise NotImplementedError(
+                f"StandardizedVLLM serves {family.name} through vLLM's Transformers backend on one rank only: under "
+                "tensor parallelism its fused and replicated layers shard the values otherwise than the families on "
+                "vLLM's own code, which nnterp has not measured. Use tensor_parallel_size=1, or StandardizedTransformer.")
         if engine_kwargs.get("tensor_parallel_size", 1) > 1:
             family = sharded(family)
         # a flag the config does not hold is off, as vLLM's code reads it (Cohere2's configs have no use_qk_norm)
@@ -348,7 +200,10 @@ class StandardizedVLLM(VLLM):
         self._nnterp_vllm_family = family
         self._nnterp_config = config
         self._nnterp_checkpoint, self._nnterp_dtype = str(model), dtype
-        kernels = [kernel_facts(self._module.get_submodule(f"{family.layers}.{layer}.{family.attention}.attn"))
+        if family.batched:  # the Transformers backend's tree, checked against what backend.py declares
+            check_tree(family, config, self._module)
+        kernels = [None if family.batched else
+                   kernel_facts(self._module.get_submodule(f"{family.layers}.{layer}.{family.attention}.attn"))
                    for layer in range(len(self.layers))]
         for layer, block in enumerate(self.layers):
             for envoy in {block, getattr(block, family.attention), block.mlp}:
@@ -441,15 +296,10 @@ class StandardizedVLLM(VLLM):
         norm = root.get_submodule(family.ln_final)
         head = getattr(root, "lm_head", None) or root.get_submodule(family.embed_tokens)  # Gemma-2: tied, no head
         processor = root.logits_processor
-        dtype = hidden.dtype
-        (centred, eps), offset = norm_form(norm), declared_offset(norm)  # the norm's facts: nnterp.core.norms
-        if not centred:  # vLLM's RMSNorm (GemmaRMSNorm: 1 + weight), computed in float32
-            wide = hidden.float()
-            wide = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
-            normed = (wide * (norm.weight.float() + offset)).to(dtype) if offset else wide.to(dtype) * norm.weight
-        else:  # LayerNorm
-            normed = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), norm.weight,
-                                                    getattr(norm, "bias", None), eps)  # Cohere's has none
+        if family.batched:  # transformers' own final norm, or vLLM's in its place: its forward, off nnsight's hooks
+            normed = type(norm).forward(norm, hidden)
+        else:
+            normed = _normed(norm, hidden)
         logits = normed @ head.weight[: self.vocab_size].T
         bias = getattr(head, "bias", None)
         if bias is not None:
@@ -531,7 +381,7 @@ class StandardizedVLLM(VLLM):
         if isinstance(place, FromKernel):
             raise ValueError(f"steered_generate adds to a value the model computes; {name} is recomputed on vLLM "
                              "from the queries and keys (its kernel never materializes it): steer those instead.")
-        if place is None or place.copy or place.shared or place.heads or _fresh(place) or \
+        if place is None or place.copy or place.shared or place.heads or is_fresh(place) or \
                 vector.numel() != self.hidden_size:
             return None
         if getattr(self, "taps", None):  # an engine replaying CUDA graphs runs no forward hook: steer in a trace

@@ -13,6 +13,7 @@ from nnterp.families import FAMILIES as SPECS
 from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
 from nnterp.spec.locations import At, Unavailable
 from nnterp.spec.views import Times
+from nnterp.vllm.backend import BACKEND_FAMILIES, CLASSES, REJECTED
 from nnterp.vllm.places import FAMILIES, FUSED, KERNEL_VIEWS, FromKernel, FusedStream, family_for
 
 BY_NAME = {spec.name: spec for spec in SPECS}
@@ -63,3 +64,46 @@ def test_a_placement_agrees_with_its_family_spec(name):
         assert all(isinstance(placed.values[v], FusedStream) for v in ("layer_input", "layer_mid", "layer_output"))
     else:  # a plain block passes the stream as one tensor: no value is a sum
         assert not any(isinstance(place, FusedStream) for place in placed.values.values())
+
+
+BACKEND_NAMES = sorted(BACKEND_FAMILIES)
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_a_transformers_backend_family_is_its_spec_at_the_same_modules(name):
+    """vLLM's Transformers backend runs transformers' own modules: each value placed there is the spec's own location
+    (read by the core's At), each the spec has is placed or says why not, the attention's internals are refused,
+    and a gated MLP's activation (fused by vLLM's GLU fuser) too."""
+    spec = BY_NAME[name]
+    placed = family_for(spec.model_types[0])
+    assert placed.batched and placed.shape == "plain" and placed.classes == CLASSES
+    assert name not in FAMILIES  # vLLM has no model of its own for it
+    assert placed.layers.startswith("model.") and placed.layers.rpartition(".")[2] == spec.layers.rpartition(".")[2]
+    block = spec.block(spec.tiny_config().get_text_config(), 0)
+    for value in NAMES:
+        location = block.resolve(value)
+        if value in placed.values:
+            assert placed.values[value] == location, (value, placed.values[value], location)
+            assert not location.op and not location.join
+        elif value == "mlp_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
+            assert "act(gate) * up in one op" in placed.reason(value)
+        else:
+            assert isinstance(location, Unavailable) or location.op, f"{name}: {value} dropped without a reason"
+            assert placed.unavailable[value]
+    for internal in ATTENTION_INTERNALS:
+        assert internal not in placed.values and "attn.forward(q, k, v)" in placed.reason(internal)
+
+
+def test_a_parallel_blocks_one_norm_is_read_before_its_attention():
+    """Phi's one norm feeds both sublayers: mlp_norm_output (the same tensor) is read right after
+    attention_norm_output, before the attention runs, the order a trace must read values in."""
+    order = list(family_for("phi").values)
+    assert order.index("mlp_norm_output") == order.index("attention_norm_output") + 1
+    assert order.index("mlp_norm_output") < order.index("attention_premix")
+
+
+@pytest.mark.parametrize("name", sorted(REJECTED))
+def test_a_family_vllm_runs_otherwise_is_refused_with_the_reason(name):
+    with pytest.raises(NotImplementedError) as refused:
+        family_for(BY_NAME[name].model_types[0])
+    assert REJECTED[name] in str(refused.value) and "StandardizedTransformer" in str(refused.value)

@@ -26,6 +26,23 @@ SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_at
              vocab_size=128, max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
 # Granite's muP factors (the stream scaled at the embedding, each contribution by residual_multiplier)
 MUP = dict(SMALL, embedding_multiplier=4.0, residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=3.0)
+def scaled(model_type: str, **changed):
+    """nnterp's tiny config of a family (its own choice of the family's options), at head size 32 and the width of
+    the configs here (vLLM's CPU attention has no smaller head size)."""
+    from nnterp.families import BY_MODEL_TYPE
+
+    config = BY_MODEL_TYPE[model_type].tiny_config()
+    for key, value in dict(hidden_size=128, head_dim=32, intermediate_size=256, vocab_size=128,
+                           max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1).items():
+        if key in config.to_dict():
+            setattr(config, key, value)
+    for key, value in changed.items():
+        setattr(config, key, value)
+    return config
+
+
+_NEOX = dict(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4, vocab_size=128,
+             max_position_embeddings=128, bos_token_id=2, eos_token_id=2, pad_token_id=1)
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
@@ -73,6 +90,54 @@ CONFIGS = {
                                                          no_rope_layer_interval=2),
     "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
                                             bos_token_id=2, eos_token_id=2, pad_token_id=1),
+    # vLLM's Transformers backend (nnterp/vllm/backend.py)
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_NEOX),
+    "gpt_neox_sequential": lambda: transformers.GPTNeoXConfig(**_NEOX, use_parallel_residual=False),
+    "olmo": lambda: transformers.OlmoConfig(**SMALL),
+    "flex_olmo": lambda: transformers.FlexOlmoConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL),
+    "olmo3": lambda: transformers.Olmo3Config(**SMALL),
+    "glm": lambda: transformers.GlmConfig(**SMALL, head_dim=32),
+    "starcoder2": lambda: transformers.Starcoder2Config(**SMALL),
+    "smollm3": lambda: transformers.SmolLM3Config(**SMALL),
+    "vaultgemma": lambda: transformers.VaultGemmaConfig(**SMALL, head_dim=32, query_pre_attn_scalar=32),
+    "phi": lambda: transformers.PhiConfig(**_NEOX, partial_rotary_factor=0.5),
+    "persimmon": lambda: transformers.PersimmonConfig(**_NEOX),
+    "biogpt": lambda: transformers.BioGptConfig(**_NEOX),
+    "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128,
+                                                         n_positions=128, bos_token_id=2, eos_token_id=2,
+                                                         pad_token_id=1),
+    "codegen": lambda: transformers.CodeGenConfig(n_layer=3, n_embd=128, n_head=4, vocab_size=128, n_positions=128,
+                                                  n_ctx=128, rotary_dim=16, bos_token_id=2, eos_token_id=2,
+                                                  pad_token_id=1),
+    "nanochat": lambda: transformers.NanoChatConfig(**SMALL),
+    # types nnterp files under Llama that vLLM runs through the backend
+    "helium": lambda: transformers.HeliumConfig(**SMALL, head_dim=32),
+    "seed_oss": lambda: transformers.SeedOssConfig(**SMALL, head_dim=32),
+    "ministral": lambda: transformers.MinistralConfig(**SMALL, head_dim=32),
+    "cwm": lambda: transformers.CwmConfig(**SMALL, head_dim=32),
+    "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**SMALL, head_dim=32),
+    "arcee": lambda: transformers.ArceeConfig(**SMALL, head_dim=32),
+    "jais2": lambda: transformers.Jais2Config(**SMALL, head_dim=32),
+    # sliding attention (window 6: the patched position stays in the last one's window)
+    "kolibri1": lambda: scaled("kolibri1", sliding_window=6),
+    # refused (nnterp/vllm/backend.py's REJECTED: vLLM computes another model, or refuses it): kept to measure
+    # again on another vLLM (StandardizedVLLM refuses them before any engine starts)
+    "doge": lambda: transformers.DogeConfig(**SMALL, keep_window_size=2048),
+    "dory": lambda: scaled("dory"),
+    "beam": lambda: scaled("beam"),
+    "zaya": lambda: scaled("zaya"),
+    "jetmoe": lambda: transformers.JetMoeConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                                num_attention_heads=4, num_key_value_heads=2, kv_channels=32,
+                                                num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                                                max_position_embeddings=128, bos_token_id=2, eos_token_id=2,
+                                                pad_token_id=1),
+    "xglm": lambda: transformers.XGLMConfig(d_model=128, ffn_dim=256, num_layers=3, attention_heads=4, vocab_size=128,
+                                            max_position_embeddings=128, bos_token_id=2, eos_token_id=2,
+                                            pad_token_id=1),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(num_layers=3, hidden_size=128, num_heads=4, vocab_size=128,
+                                                 max_position_embeddings=128, attention_types=[[["global"], 3]],
+                                                 bos_token_id=2, eos_token_id=2, pad_token_id=1),
 }
 # the transformers modules each standard value is read at (relative to a block): (path, side, element)
 LLAMA_HOOKS = {
@@ -138,8 +203,61 @@ HYPERCLOVAX_HOOKS = {**GRANITE_HOOKS, "attention_output": ("post_norm1", "output
                      "mlp_output": ("post_norm2", "output", "residual_multiplier")}
 LLAMA4_HOOKS = {**LLAMA_HOOKS, "mlp_input": ("feed_forward", "input"), "mlp_output": ("feed_forward", "output")}
 del LLAMA4_HOOKS["mlp_neurons"]
-HOOKS = {"bloom": BLOOM_HOOKS, "llama4_text": LLAMA4_HOOKS, "cohere": COHERE_HOOKS, "cohere2": COHERE_HOOKS, "granite": GRANITE_HOOKS,
-         "granitemoe": GRANITE_MOE_HOOKS, "hyperclovax": HYPERCLOVAX_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
+NEOX_HOOKS = {  # transformers' GPT-NeoX: parallel (Pythia's) or sequential
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "attention_premix": ("attention.dense", "input"), "attention_output": ("attention", "output"),
+    "layer_mid": ("post_attention_layernorm", "input"), "mlp_norm_output": ("post_attention_layernorm", "output"),
+    "mlp_input": ("mlp", "input"), "mlp_activation": ("mlp.act", "output"),
+    "mlp_neurons": ("mlp.dense_4h_to_h", "input"), "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+POST_NORM_HOOKS = {  # OLMo-2's: the norms after the sublayers, none before
+    "layer_input": ("", "input"), "attention_premix": ("self_attn.o_proj", "input"),
+    "attention_output": ("post_attention_layernorm", "output"), "layer_mid": ("mlp", "input"),
+    "mlp_input": ("mlp", "input"), "mlp_neurons": ("mlp.down_proj", "input"),
+    "mlp_output": ("post_feedforward_layernorm", "output"), "layer_output": ("", "output"),
+}
+PHI_HOOKS = {  # in forward order: one norm's output feeds both sublayers
+    "layer_input": ("", "input"), "attention_norm_output": ("input_layernorm", "output"),
+    "mlp_norm_output": ("input_layernorm", "output"), "attention_premix": ("self_attn.dense", "input"),
+    "attention_output": ("self_attn", "output"), "mlp_input": ("mlp", "input"),
+    "mlp_activation": ("mlp.activation_fn", "output"), "mlp_neurons": ("mlp.fc2", "input"),
+    "mlp_output": ("mlp", "output"), "layer_output": ("", "output"),
+}
+
+
+def with_activation(hooks: dict, path: str, **changed) -> dict:
+    """``hooks`` (in forward order) with ``changed`` places, and the activation's output at ``path`` read just before
+    the down projection's input."""
+    out = {}
+    for name, place in {**hooks, **changed}.items():
+        if name == "mlp_neurons":
+            out["mlp_activation"] = (path, "output")
+        out[name] = place
+    return out
+
+
+BIOGPT_HOOKS = with_activation(OPT_HOOKS, "activation_fn")
+HOOKS = {"gpt_neox": {k: v for k, v in NEOX_HOOKS.items() if k != "layer_mid"}, "gpt_neox_sequential": NEOX_HOOKS,
+         "olmo2": POST_NORM_HOOKS, "olmo3": POST_NORM_HOOKS, "glm": with_activation(LLAMA_HOOKS, "mlp.activation_fn"),
+         "starcoder2": with_activation(LLAMA_HOOKS, "mlp.act", mlp_neurons=("mlp.c_proj", "input")),
+         "vaultgemma": {**LLAMA_HOOKS, "attention_output": ("self_attn", "output"),
+                        "layer_mid": ("pre_feedforward_layernorm", "input"),
+                        "mlp_norm_output": ("pre_feedforward_layernorm", "output")},
+         "doge": LLAMA_HOOKS, "flex_olmo": {k: v for k, v in POST_NORM_HOOKS.items() if k != "mlp_neurons"},
+         "jetmoe": {k: v for k, v in LLAMA_HOOKS.items() if k not in ("attention_premix", "mlp_neurons")} | {
+             "attention_output": ("self_attention", "output")}, "xglm": BIOGPT_HOOKS,
+         "nanochat": with_activation(LLAMA_HOOKS, "mlp.activation_fn", mlp_neurons=("mlp.fc2", "input")),
+         "kolibri1": {k: v for k, v in GLM4_HOOKS.items() if k != "mlp_neurons"},
+         "dory": with_activation(GEMMA2_HOOKS, "mlp.act_fn"), "beam": with_activation(GEMMA2_HOOKS, "mlp.act_fn"),
+         "zaya": {k: v for k, v in LLAMA_HOOKS.items() if k != "mlp_neurons"} | {
+             "layer_mid": ("post_attention_residual_scale", "output")},
+         "arcee": with_activation(LLAMA_HOOKS, "mlp.act_fn"), "jais2": with_activation(LLAMA_HOOKS, "mlp.act_fn"),
+         "phi": PHI_HOOKS, "codegen": GPTJ_HOOKS, "gpt_bigcode": GPT2_HOOKS, "biogpt": BIOGPT_HOOKS,
+         "persimmon": with_activation(LLAMA_HOOKS, "mlp.act", attention_premix=("self_attn.dense", "input"),
+                                      mlp_neurons=("mlp.dense_4h_to_h", "input")),
+         "llama4_text": LLAMA4_HOOKS, "cohere": COHERE_HOOKS, "cohere2": COHERE_HOOKS, "granite": GRANITE_HOOKS,
+         "granitemoe": GRANITE_MOE_HOOKS, "hyperclovax": HYPERCLOVAX_HOOKS,
+         "bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
          "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
          "mlp_neurons": "mlp", "mlp_output": "mlp"}
@@ -170,9 +288,10 @@ def build(family: str, folder: str):
 
 
 def blocks_of(model):
-    if hasattr(model, "transformer"):
-        return model.transformer.h
-    return model.model.decoder.layers if hasattr(model.model, "decoder") else model.model.layers
+    base = model.base_model  # transformer, model, gpt_neox, ...
+    if hasattr(base, "decoder"):
+        return base.decoder.layers
+    return base.h if hasattr(base, "h") else base.layers
 
 
 def first(x):
@@ -231,10 +350,10 @@ def hooked(model, ids, hooks, edit=None):
 
 def readout(model, hidden):
     """Transformers' own readout of a stream: its final norm, its head, the final softcap (Gemma-2)."""
-    if hasattr(model, "transformer"):
-        norm = model.transformer.ln_f
-    else:
-        norm = model.model.decoder.final_layer_norm if hasattr(model.model, "decoder") else model.model.norm
+    base = model.base_model
+    base = getattr(base, "decoder", base)
+    norm = next(getattr(base, name) for name in ("ln_f", "final_layer_norm", "norm", "final_layernorm", "layer_norm")
+                if hasattr(base, name))
     logits = model.get_output_embeddings()(norm(hidden))
     if model.config.model_type == "granite" or model.config.model_type == "granitemoe":
         logits = logits / model.config.logits_scaling
@@ -271,6 +390,12 @@ def main(family: str) -> dict:
             block.mlp.gelu_impl = torch.nn.GELU()
     model = StandardizedVLLM(folder, dtype="float32", distributed_executor_backend="uni", max_model_len=128,
                              enable_prefix_caching=False)
+    if model.vllm_family.batched:
+        # vLLM's Transformers backend decorates transformers' backbone class itself for its compilation (the
+        # class's __call__ then reads an attribute its own __init__ sets): the ground truth's instance, made before,
+        # is told to run its forward as it is
+        for module in hf.modules():
+            module.__dict__.setdefault("do_not_compile", True)
     result: dict = {"key": family, "family": model.vllm_family.name, "num_layers": model.num_layers,
                     "hidden_size": model.hidden_size, "num_heads": model.num_heads, "vocab_size": model.vocab_size,
                     "repr_has_names": "layer_output" in repr(model) and "layers" in repr(model)}

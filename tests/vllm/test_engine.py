@@ -86,33 +86,48 @@ import tempfile, transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from nnterp.vllm import StandardizedVLLM
 from nnterp.vllm.places import served_family
-for model_type in ("arcee", "seed_oss", "helium", "ministral", "cwm", "jais2", "hunyuan_v1_dense", "mellum",
-                   "llama", "ministral3", "llama-by-transformers"):
+for model_type in ("mellum", "helium", "arcee", "llama", "ministral3", "llama-by-transformers", "gpt_neox", "olmo2",
+                   "doge"):
     kind = model_type.partition("-")[0]
     config = transformers.AutoConfig.for_model(kind)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]]
     try:
-        if model_type == "arcee":  # the constructor itself, on a folder: refused before vLLM is asked to start
+        if model_type == "mellum":  # the constructor itself, on a folder: refused before vLLM is asked to start
             folder = tempfile.mkdtemp()
             config.save_pretrained(folder)
             StandardizedVLLM(folder)
         print(model_type, "| served as", served_family(config, "transformers" if "-" in model_type else "auto").name)
     except NotImplementedError as error:
         print(model_type, "|", error)
+folder = tempfile.mkdtemp()  # a backend family under tensor parallelism: refused before an engine starts
+config = transformers.AutoConfig.for_model("gpt_neox")
+config.architectures = ["GPTNeoXForCausalLM"]
+config.save_pretrained(folder)
+try:
+    StandardizedVLLM(folder, tensor_parallel_size=2)
+except NotImplementedError as error:
+    print("gpt_neox-tp2 |", error)
 """
 
 
 @needs_vllm
-def test_types_vllm_serves_through_its_transformers_backend_are_refused_before_any_engine():
-    """nnterp files these under Llama (Mellum under Mixtral); vLLM 0.32's registry runs them through its
-    Transformers backend, whose modules nnterp/vllm/places.py does not describe: refused from the registry, before
-    an engine starts (the constructor on a folder with no weights refuses rather than starting one). Llama, and
-    Ministral-3 (vLLM runs Mistral's class, a Llama), are served; Llama forced onto the backend is not."""
+def test_a_type_is_served_by_the_code_vllm_runs_for_it_or_refused_before_any_engine():
+    """The code vLLM 0.32's registry runs for a type decides its placement. Llama, and Ministral-3 (vLLM runs
+    Mistral's class, a Llama), on vLLM's own Llama code; Helium and Arcee, which nnterp files under Llama and vLLM
+    runs through its Transformers backend, and GPT-NeoX and OLMo-2, which it runs there only, on the backend
+    (nnterp/vllm/backend.py). Refused from the registry, before an engine starts (the constructor on a folder with
+    no weights refuses rather than starting one): Mellum (under Mixtral, whose placement is vLLM's own code) on the
+    backend, Llama forced onto it, Doge, which the backend runs otherwise than transformers, and a backend family
+    under tensor parallelism."""
     done = subprocess.run([str(PYTHON), "-c", BACKEND], capture_output=True, text=True, cwd=ROOT, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
-    assert len(said) == 11, done.stdout
-    assert said.pop("llama") == "served as Llama" and said.pop("ministral3") == "served as Llama", done.stdout
+    assert len(said) == 10, done.stdout
+    assert "tensor_parallel_size=1" in said["gpt_neox-tp2"], said["gpt_neox-tp2"]
+    for model_type in ("llama", "ministral3", "helium", "arcee"):
+        assert said.pop(model_type) == "served as Llama", done.stdout
+    assert said.pop("gpt_neox") == "served as GPT-NeoX" and said.pop("olmo2") == "served as OLMo-2", done.stdout
+    assert "dynamic mask" in said["doge"] and "another model" in said["doge"], said["doge"]
     for model_type, reason in said.items():
         assert "Transformers backend" in reason and "StandardizedTransformer" in reason, (model_type, reason)

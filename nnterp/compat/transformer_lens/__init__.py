@@ -16,10 +16,12 @@ from .factored import FactoredMatrix
 from .hooked_module import HookedRootModule, HookPoint
 from .hooks import SWITCHES, add_hook, add_perma_hook, hooks, loss_fn, loss_per_token, reset_hooks, run_with_hooks
 from .model import HookedTransformer
+from .split_inputs import set_use_split_qkv_input
 
 METHODS = {
     "run_with_hooks": run_with_hooks, "hooks": hooks, "loss_per_token": loss_per_token, "loss_fn": loss_fn,
     "add_hook": add_hook, "add_perma_hook": add_perma_hook, "reset_hooks": reset_hooks, **SWITCHES,
+    "set_use_split_qkv_input": set_use_split_qkv_input,
     "to_tokens": tokens.to_tokens, "to_string": tokens.to_string, "to_single_token": tokens.to_single_token,
     "get_token_position": tokens.get_token_position,
 }

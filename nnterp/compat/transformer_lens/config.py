@@ -312,7 +312,7 @@ class HookHandle:
     def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False) -> None:
         """Remove the hooks added on this hook point by name (those of a predicate stay)."""
         installed = self._model.__dict__.get("_nnterp_installed_hooks", [])
-        from .hooks import _publish
+        from .installed import _publish
 
         _publish(self._model, [hook for hook in installed if not (
             hook.names == self.name and (including_permanent or not hook.permanent))])

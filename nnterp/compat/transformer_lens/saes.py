@@ -29,6 +29,7 @@ from ...dictionaries.splicing import place, splice
 from ...tools.activation_cache import ActivationCache, run_with_cache
 from ...tools.hook_passes import HookContext, gradient_hook
 from .hooked_module import names_predicate
+from .installed import sae_hooks
 
 # what SAELens's HookedSAETransformer caches of each SAE, under f"{hook name}.{entry}"
 SAE_ENTRIES = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
@@ -109,8 +110,6 @@ def hook_sae_values(model, attached: AttachedSAE, spliced, features: torch.Tenso
     """Inside the splice: each hook function on the SAE's features (then on its error, with ``use_error_term``)
     called as ``fn(tensor, hook)``, the hooks on the model (``add_hook``) first, then the call's own; an in-place edit
     or a returned tensor reaches the model. The backward hooks on the model on its features get their gradient."""
-    from .hooks import sae_hooks
-
     for entry in HOOKABLE:
         full = f"{attached.prefix}.{entry}"
         if entry == "hook_sae_error" and not attached.use_error_term:

@@ -22,6 +22,7 @@ from ...core import norms
 from ...spec.catalog import TRANSFORMERLENS_NORMS
 from ...spec.errors import ValueUnavailable
 from ...spec.locations import envoy_at
+from ...tools import hook_points
 from ...tools.hook_points import HookError, Point, _event, _plain_module_output, point, scale_and_normalized
 
 # the split input's tail, the hook point its edit reaches, TransformerLens's weights of it
@@ -128,5 +129,7 @@ def split_input_point(model, name: str, layer: int, tail: str) -> Point:
     event = _event(model, norm_path, "input", name, after=-1)  # before the norm's hook_scale, as TransformerLens
     return SplitInputPoint(name, layer, event, norm_path, norm, weight.detach(), bias.detach(), target)
 
+
+hook_points.DOOR_POINTS.update(dict.fromkeys(SPLIT, split_input_point))
 
 __all__ = ["SPLIT", "SplitInputPoint", "set_use_split_qkv_input", "split_input_point", "split_on"]
