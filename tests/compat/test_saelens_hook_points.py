@@ -11,13 +11,12 @@ import io
 
 import pytest
 import torch
-import transformers
 
 import nnterp
 
 from ..tools.test_saelens_interop import sae_lens
 from .test_saelens_semantics import close, make_sae
-from .tl_models import tiny_gpt2, tiny_llama, transformer_lens_model
+from .tl_models import pair
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 PROMPTS = ["When John and Mary went to the shops, John gave the bag to", "The cat sat on the mat in Paris"]
@@ -25,11 +24,7 @@ PROMPTS = ["When John and Mary went to the shops, John gave the bag to", "The ca
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def models(request, gpt2_tokenizer_dir):
-    hf = tiny_gpt2() if request.param == "gpt2" else tiny_llama()
-    ours = nnterp.HookedTransformer.from_pretrained(
-        request.param, hf_model=hf, tokenizer=transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir))
-    theirs = transformer_lens_model(hf, transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir),
-                                    model_class=sae_lens.HookedSAETransformer)
+    _, ours, theirs = pair(request.param, gpt2_tokenizer_dir, model_class=sae_lens.HookedSAETransformer)
     return ours, theirs
 
 

@@ -54,13 +54,14 @@ def transformer_lens_model(hf, tokenizer, fold_ln: bool = False, model_class=Non
     return model.eval()
 
 
-def pair(kind: str, tokenizer_dir):
-    """(transformers model, nnterp HookedTransformer of it, TransformerLens's model of the same weights); each with
-    its own tokenizer, loaded from GPT-2's files."""
+def pair(kind: str, tokenizer_dir, model_class=None):
+    """(transformers model, nnterp HookedTransformer of it, TransformerLens's model of the same weights, of
+    ``model_class`` where given: SAELens's HookedSAETransformer); each with its own tokenizer, from GPT-2's files."""
     hf = tiny_gpt2() if kind == "gpt2" else tiny_llama()
     import nnterp
 
     ours = nnterp.HookedTransformer.from_pretrained(
         kind, hf_model=hf, tokenizer=transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
-    theirs = transformer_lens_model(hf, transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+    theirs = transformer_lens_model(hf, transformers.AutoTokenizer.from_pretrained(tokenizer_dir),
+                                    model_class=model_class)
     return hf, ours, theirs
