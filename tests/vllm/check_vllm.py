@@ -287,8 +287,15 @@ def build(family: str, folder: str):
     return model
 
 
+def backbone(model):
+    """The causal LM's backbone (transformer, model, gpt_neox, ...): its base model, or ``model`` where the class's
+    base_model_prefix names none it has (Llama 4's text model says language_model)."""
+    base = model.base_model
+    return model.model if base is model else base
+
+
 def blocks_of(model):
-    base = model.base_model  # transformer, model, gpt_neox, ...
+    base = backbone(model)
     if hasattr(base, "decoder"):
         return base.decoder.layers
     return base.h if hasattr(base, "h") else base.layers
@@ -350,7 +357,7 @@ def hooked(model, ids, hooks, edit=None):
 
 def readout(model, hidden):
     """Transformers' own readout of a stream: its final norm, its head, the final softcap (Gemma-2)."""
-    base = model.base_model
+    base = backbone(model)
     base = getattr(base, "decoder", base)
     norm = next(getattr(base, name) for name in ("ln_f", "final_layer_norm", "norm", "final_layernorm", "layer_norm")
                 if hasattr(base, name))
