@@ -53,14 +53,7 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable], fit: Ca
     # TransformerLens keeps a hook point's ctx from pass to pass, until the hooks are reset with clear_contexts
     context.ctx = model.__dict__.setdefault("_nnterp_hook_contexts", {}).setdefault(point.name, {})
     before = value.clone() if point.read_only else None
-    current = value
-    for fn in fns:
-        result = fn(current, context)
-        if result is not None and result is not current:
-            if not isinstance(result, torch.Tensor):
-                raise HookError(f"A hook on {point.name} returned {type(result).__name__}: a hook returns a tensor "
-                                "(which replaces the value) or None (the value kept, edited in place or not).")
-            current = result
+    current = call_in_turn(fns, value, context)
     if point.read_only:
         if not (torch.equal(value, before) and (current is value or torch.equal(current, before))):
             raise point.refuse_edit()
@@ -69,6 +62,20 @@ def apply(model, point: Point, value: torch.Tensor, fns: list[Callable], fit: Ca
         if fit is not None and current is not value:
             current = fit(current)
         point.write(model, current)
+    return current
+
+
+def call_in_turn(fns: list[Callable], tensor: torch.Tensor, context: HookContext, what: str = "value"):
+    """Each of ``fns`` called as ``fn(tensor, hook)``, in order, on what the one before left: a returned tensor
+    replaces it, None keeps it (edited in place or not). What the last one left."""
+    current = tensor
+    for fn in fns:
+        result = fn(current, context)
+        if result is not None and result is not current:
+            if not isinstance(result, torch.Tensor):
+                raise HookError(f"A hook on {context.name} returned {type(result).__name__}: a hook returns a tensor "
+                                f"(which replaces the {what}) or None (the {what} kept, edited in place or not).")
+            current = result
     return current
 
 
@@ -144,14 +151,7 @@ def gradient_hook(fns: list[Callable], context: HookContext) -> Callable:
     """A tensor hook calling ``fns`` on the gradient in turn, each on what the one before returned."""
 
     def call(grad):
-        current = grad
-        for fn in fns:
-            result = fn(current, context)
-            if result is not None:
-                if not isinstance(result, torch.Tensor):
-                    raise HookError(f"A backward hook on {context.name} returned {type(result).__name__}: it returns "
-                                    "a tensor (which replaces the gradient) or None.")
-                current = result
+        current = call_in_turn(fns, grad, context, "gradient")
         return None if current is grad else current
 
     return call
@@ -248,5 +248,5 @@ def stop_block(model, stop_at_layer: int) -> int:
     return stop_at_layer % model.num_layers if stop_at_layer < model.num_layers else model.num_layers
 
 
-__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "gradient_hook", "hook_gradient",
-           "hooked_points", "refuse_backward", "stop_block"]
+__all__ = ["HookContext", "Plan", "apply", "attention_for", "before_stop", "call_in_turn", "gradient_hook",
+           "hook_gradient", "hooked_points", "refuse_backward", "stop_block"]

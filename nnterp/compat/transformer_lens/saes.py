@@ -27,7 +27,7 @@ import torch
 from ...dictionaries import Dictionary, from_saelens, transformerlens_site
 from ...dictionaries.splicing import place, splice
 from ...tools.activation_cache import ActivationCache, run_with_cache
-from ...tools.hook_passes import HookContext, gradient_hook
+from ...tools.hook_passes import HookContext, call_in_turn, gradient_hook
 from .hooked_module import names_predicate
 from .installed import sae_hooks
 
@@ -119,14 +119,7 @@ def hook_sae_values(model, attached: AttachedSAE, spliced, features: torch.Tenso
         if not (fns or bwd):
             continue
         context = HookContext(full, attached.sae.site[0] if attached.sae.site else None)
-        value = features if entry == "hook_sae_acts_post" else spliced.error
-        for fn in fns:
-            result = fn(value, context)
-            if result is not None and result is not value:
-                if not isinstance(result, torch.Tensor):
-                    raise TypeError(f"A hook on {context.name} returned {type(result).__name__}: a hook returns a "
-                                    "tensor (which replaces the value) or None.")
-                value = result
+        value = call_in_turn(fns, features if entry == "hook_sae_acts_post" else spliced.error, context)
         if bwd and value.requires_grad:  # the gradient of the features the model goes on with
             value.register_hook(gradient_hook(bwd, context))
         if entry == "hook_sae_acts_post":
