@@ -119,20 +119,28 @@ class BlockEnvoy(StandardEnvoy):
 class AttentionEnvoy(StandardEnvoy):
     """A block's attention, with the values inside it."""
 
+    query_norm_input = StandardValue()
+    query_norm_output = StandardValue()
+    key_norm_input = StandardValue()
+    key_norm_output = StandardValue()
     queries = StandardValue()
     keys = StandardValue()
     values = StandardValue()
     attention_scores = StandardValue()
     attention_probabilities = StandardValue()
     attention_premix = StandardValue()
+    attention_output_before_norm = StandardValue()
     attention_output = StandardValue()
 
 
 class MLPEnvoy(StandardEnvoy):
     """A block's MLP, with the values inside it."""
 
+    router_logits = StandardValue()
+    mlp_pre_activation = StandardValue()
     mlp_activation = StandardValue()
     mlp_neurons = StandardValue()
+    mlp_output_before_norm = StandardValue()
     mlp_output = StandardValue()
 
 

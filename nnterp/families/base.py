@@ -16,11 +16,11 @@ import torch
 from transformers import PretrainedConfig
 
 from ..spec.attention import STANDARD, WITH_SINKS, EagerAttention
-from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG
+from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG, WHERE_PRESENT
 from ..spec.identity import SEQUENTIAL, A, Custom, Expr, Identity, M, Plus, PostNorm, Scaled, Sum, Terms, X, native
 from ..spec.locations import At, Location, SameAs, Unavailable, input, output
 from ..spec.sourced import sourced
-from ..spec.views import Times
+from ..spec.views import HeadsFirst, HeadWidth, Times
 
 
 class FrozenDict(dict):
@@ -37,6 +37,62 @@ class FrozenDict(dict):
         raise TypeError("a spec does not change: build another one (dataclasses.replace)")
 
     __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _unchanged  # type: ignore
+
+
+NO_QK_NORM = ("the family's attention norms no queries or keys of its own before using them (no query or key norm), "
+              "or nnterp places none on this family yet")
+
+
+def is_norm_path(path: str) -> bool:
+    """Whether a module's name says it is a norm (``post_attention_layernorm``, ``post_norm1``)."""
+    return "norm" in path.rpartition(".")[2].lower()
+
+
+def _resolved(values: dict, name: str):
+    location, seen = values.get(name), {name}
+    while isinstance(location, SameAs) and location.name not in seen:
+        seen.add(location.name)
+        location = values.get(location.name)
+    return location
+
+
+def where_present_defaults(values: dict) -> dict[str, Location]:
+    """The places of the ``WHERE_PRESENT`` values a block spec does not give: the q/k norms' values unavailable
+    (with the attention's reason where it has none); a contribution before its norm the input of the norm whose output
+    it is, else the contribution itself; the router's logits
+    unavailable (not placed on a routed mixture, no router on a dense MLP); the activation's input the input of
+    the module whose output is ``mlp_activation``, where that is a plain module output."""
+    defaults: dict[str, Location] = {}
+    attention = _resolved(values, "attention_premix")
+    no_attention = attention if isinstance(attention, Unavailable) else None
+    for name in ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"):
+        defaults[name] = no_attention or Unavailable(NO_QK_NORM)
+    for name in ("attention_output", "mlp_output"):
+        where = _resolved(values, name)
+        # a contribution read as the output of a norm after its sublayer (a sandwich block): before the norm, it is
+        # what the norm reads (the proof checks that no other contribution is a norm's output)
+        after_norm = isinstance(where, At) and where.side == "output" and not where.op and is_norm_path(where.path)
+        defaults[f"{name}_before_norm"] = At(where.path, "input") if after_norm else SameAs(name)
+    mlp = _resolved(values, "mlp_output")
+    activation = _resolved(values, "mlp_activation")
+    if isinstance(mlp, Unavailable):
+        defaults["router_logits"] = mlp
+    elif activation is ROUTED:
+        defaults["router_logits"] = Unavailable("a routed mixture whose router nnterp does not place on this family "
+                                                "yet: read the router module's output natively")
+    else:
+        defaults["router_logits"] = Unavailable("a dense MLP: no router")
+    if isinstance(activation, Unavailable):
+        defaults["mlp_pre_activation"] = activation
+    elif (isinstance(activation, At) and activation.side == "output" and not activation.op and activation.path
+          and not activation._derived and not activation.shared):
+        defaults["mlp_pre_activation"] = At(activation.path, "input")
+    else:
+        where = activation.describe() if isinstance(activation, At) else "no module"
+        defaults["mlp_pre_activation"] = Unavailable(
+            f"the activation is read at {where}, not a module's output, so its input is not placed on this family "
+            "yet")
+    return defaults
 
 
 @sourced
@@ -60,6 +116,7 @@ class Block:
     def __post_init__(self):
         if "mixer_output" not in self.values:  # a block whose token mixer is its attention
             object.__setattr__(self, "values", {**self.values, "mixer_output": SameAs("attention_output")})
+        object.__setattr__(self, "values", {**where_present_defaults(self.values), **self.values})
         object.__setattr__(self, "values", FrozenDict(self.values))
         object.__setattr__(self, "extra", FrozenDict(self.extra))
         structural = {v.name for v in CATALOG} - set(ATTENTION_INTERNALS)  # the engine places the internals
@@ -311,6 +368,28 @@ def times(block: Block, **factors: str) -> Block:
     return dataclasses.replace(block, values=values)
 
 
+def qk_norms(attention: str = "self_attn", q: str = "q_norm", k: str = "k_norm", width: int | None = None,
+             heads_first: bool = False) -> dict[str, At]:
+    """The inputs and outputs of an attention's query and key norms (modules ``q`` and ``k`` of ``attention``),
+    per head. ``width``: where the norms read a projection's whole output (``[batch, seq, heads * width]``, OLMo-2),
+    a head's width, to view them per head; None where they read it per head already (Qwen3), ``heads_first``
+    where that is ``[batch, heads, seq, head_dim]`` (Gemma-3)."""
+    views = (HeadWidth(width),) if width else (HeadsFirst(),) if heads_first else ()
+    return {f"{which}_norm_{side}": At(f"{attention}.{module}", side, views=views)
+            for which, module in (("query", q), ("key", k)) for side in ("input", "output")}
+
+
+def router(path: str, index: int = 0) -> dict[str, At]:
+    """A routed mixture's router logits: element ``index`` of the output of its router (``path``), over the tokens
+    flattened or not."""
+    return {"router_logits": At(path, "output", index=index, unflatten=True)}
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    """A head's width: the config's ``head_dim``, else the stream's width over the heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 OWN_ATTENTION = Unavailable(
     "this family computes attention in its own code, outside transformers' attention interface, so its queries, "
     "keys, scores and probabilities are not at any module boundary"
@@ -349,4 +428,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["qk_norms", "router", "head_dim", "OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

@@ -23,7 +23,7 @@ block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its atte
 
 import transformers
 
-from .base import ROUTED, STANDARD, A, Family, M, SameAs, Sum, Unavailable, X, added_times, output, pre_norm_block
+from .base import ROUTED, STANDARD, A, Family, M, SameAs, Sum, Unavailable, X, added_times, output, pre_norm_block, router
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -50,7 +50,8 @@ GRANITE_MOE = Family(
     name="Granite-MoE",
     model_types=("granitemoe",),
     mlp="block_sparse_moe",
-    block=lambda config, i: _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED),
+    block=lambda config, i: _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED,
+                                   **router("block_sparse_moe.router")),
     logits_transform=lambda logits, config: logits / config.logits_scaling,
     tiny_config=lambda: transformers.GraniteMoeConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2),
 )
@@ -60,7 +61,8 @@ def _shared_block(config, i):
     """Granite-MoE's block; with a shared MLP, the MLP contribution is the sum of the two modules' outputs."""
     shared = {"mlp_output": output("", op="hidden_states_4"),  # moe_hidden_states + self.shared_mlp(hidden_states)
               "mlp_input": SameAs("mlp_norm_output")} if config.shared_intermediate_size else {}
-    return _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED, **shared)
+    return _block(config, i, mlp="block_sparse_moe", mlp_activation=ROUTED, mlp_neurons=ROUTED, **shared,
+                  **router("block_sparse_moe.router"))
 
 
 _SINK_SCALED = Unavailable(

@@ -9,7 +9,7 @@ Sequential pre-norm with a gated MLP: ``mlp_activation`` is ``act_fn(gate_proj(x
 
 import transformers
 
-from .base import Family, pre_norm_block
+from .base import Family, pre_norm_block, qk_norms
 
 _SMALL = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -17,13 +17,16 @@ _SMALL = dict(
 )
 
 
-def _llama_like(name, model_types, tiny_config):
+def _llama_like(name, model_types, tiny_config, qk_norm=False):
+    """``qk_norm``: the attention norms each head's queries and keys (``q_norm``, ``k_norm``) before the rotary
+    embedding (Qwen3)."""
     return Family(
         name=name,
         model_types=model_types,
         block=lambda config, i: pre_norm_block(
             input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
             post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
+            **(qk_norms() if qk_norm else {}),
         ),
         tiny_config=tiny_config,
     )
@@ -32,7 +35,7 @@ def _llama_like(name, model_types, tiny_config):
 LLAMA = _llama_like("Llama", ("llama",), lambda: transformers.LlamaConfig(**_SMALL))
 MISTRAL = _llama_like("Mistral", ("mistral",), lambda: transformers.MistralConfig(**_SMALL, sliding_window=4))
 QWEN2 = _llama_like("Qwen2", ("qwen2",), lambda: transformers.Qwen2Config(**_SMALL))
-QWEN3 = _llama_like("Qwen3", ("qwen3",), lambda: transformers.Qwen3Config(**_SMALL, head_dim=32))
+QWEN3 = _llama_like("Qwen3", ("qwen3",), lambda: transformers.Qwen3Config(**_SMALL, head_dim=32), qk_norm=True)
 
 SMOLLM3 = _llama_like("SmolLM3", ("smollm3",), lambda: transformers.SmolLM3Config(**_SMALL, pad_token_id=0))
 OLMO = _llama_like("OLMo", ("olmo",), lambda: transformers.OlmoConfig(**_SMALL))

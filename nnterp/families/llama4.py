@@ -9,7 +9,7 @@ The dense layers' ``feed_forward`` is the gated MLP (``activation_fn``, ``down_p
 
 import transformers
 
-from .base import ROUTED, Family, output, pre_norm_block
+from .base import ROUTED, Family, output, pre_norm_block, router
 
 
 def _block(config, i):
@@ -18,7 +18,9 @@ def _block(config, i):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="feed_forward", act="feed_forward.activation_fn",
         down_proj="feed_forward.down_proj",
-        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED, "mlp_output": output("feed_forward", unflatten=True)}
+        # the router returns (scores, logits)
+        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED, "mlp_output": output("feed_forward", unflatten=True),
+            **router("feed_forward.router", index=1)}
            if routed else {}),
     )
 

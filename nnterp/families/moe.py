@@ -19,18 +19,29 @@ projection, so no ``head_outputs``. Its ``self_attention`` returns ``(output, we
 
 import transformers
 
-from .base import ROUTED, STANDARD, WITH_SINKS, At, Family, pre_norm_block
+from .base import ROUTED, STANDARD, WITH_SINKS, At, Family, head_dim, pre_norm_block, qk_norms, router
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 
 
-def _block(is_routed):
+# the router whose first output is the logits, per type (the other types filed here have theirs unplaced)
+ROUTERS = {"mixtral": "mlp.gate", "qwen2_moe": "mlp.gate", "qwen3_moe": "mlp.gate", "olmoe": "mlp.gate",
+           "gpt_oss": "mlp.router"}
+
+
+def _block(is_routed, qk_norm=None):
+    """``qk_norm``: ``"head"`` where the attention norms each head's queries and keys (Qwen3-MoE), ``"whole"``
+    where it norms the projections' whole outputs (OLMoE)."""
     def block(config, i):
         routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {}
+        if routed and config.model_type in ROUTERS:
+            routed |= router(ROUTERS[config.model_type])
+        norms = qk_norms(width=head_dim(config) if qk_norm == "whole" else None) if qk_norm else {}
         return pre_norm_block(
             input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
             post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj", **routed,
+            **norms,
         )
     return block
 
@@ -52,9 +63,9 @@ def routed_layer(config, i) -> bool:
     return True
 
 
-def _moe(name, model_type, is_routed, tiny_config, attention_internals=STANDARD):
+def _moe(name, model_type, is_routed, tiny_config, attention_internals=STANDARD, qk_norm=None):
     return Family(
-        name=name, model_types=(model_type,), block=_block(is_routed), tiny_config=tiny_config,
+        name=name, model_types=(model_type,), block=_block(is_routed, qk_norm), tiny_config=tiny_config,
         attention_internals=attention_internals,
     )
 
@@ -69,8 +80,9 @@ QWEN2_MOE = _moe("Qwen2-MoE", "qwen2_moe", routed_layer, lambda: transformers.Qw
     **_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
     decoder_sparse_step=1, mlp_only_layers=[1]))
 QWEN3_MOE = _moe("Qwen3-MoE", "qwen3_moe", routed_layer, lambda: transformers.Qwen3MoeConfig(
-    **_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2))
-OLMOE = _moe("OLMoE", "olmoe", _always, lambda: transformers.OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
+    **_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2), qk_norm="head")
+OLMOE = _moe("OLMoE", "olmoe", _always, lambda: transformers.OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2),
+             qk_norm="whole")
 GPT_OSS = _moe("GPT-OSS", "gpt_oss", _always, lambda: transformers.GptOssConfig(
     **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
     layer_types=["sliding_attention", "full_attention", "sliding_attention"]), attention_internals=WITH_SINKS)

@@ -16,7 +16,7 @@ with a routed mixture for MLP.
 
 import transformers
 
-from .base import ROUTED, Family, Unavailable, input, output, pre_norm_block, softcap_logits
+from .base import ROUTED, Family, Unavailable, head_dim, input, output, pre_norm_block, qk_norms, router, softcap_logits
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -28,10 +28,12 @@ def _gemma_block(config, i):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="pre_feedforward_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
+        # Gemma-3 norms each head's queries and keys before the rotary embedding; Gemma-2 does not
+        **(qk_norms(heads_first=True) if config.model_type.startswith("gemma3") else {}),
     )
 
 
-_ROUTED = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED}
+_ROUTED = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED, **router("mlp.gate")}
 
 
 def _glm4_block(config, i, routed=False):
@@ -39,7 +41,8 @@ def _glm4_block(config, i, routed=False):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
         attention_output=output("post_self_attn_layernorm"), mlp_output=output("post_mlp_layernorm"),
-        **(_ROUTED if routed else {}),
+        # Kolibri-1 (the routed one) norms each head's queries and keys; GLM-4 does not
+        **(_ROUTED | qk_norms(heads_first=True) if routed else {}),
     )
 
 
@@ -47,7 +50,8 @@ def _afmoe_block(config, i):
     return pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", post_norm="pre_mlp_layernorm",
         mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj", attention_output=output("post_attention_layernorm"),
-        mlp_output=output("post_mlp_layernorm"), **(_ROUTED if i >= config.num_dense_layers else {}),
+        mlp_output=output("post_mlp_layernorm"), **qk_norms(),
+        **(_ROUTED | router("mlp.router") if i >= config.num_dense_layers else {}),
     )
 
 
@@ -62,6 +66,8 @@ def _olmo2_block(config, i, routed=False):
         # the stream the MLP reads is also the residual: edits of what the MLP receives go to a copy
         layer_mid=input("mlp", shared=True), mlp_input=input("mlp", copy=True),
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
+        # the q/k norms read the projections' whole outputs (EXAONE-4's, filed here, norm each head's)
+        **qk_norms(width=None if config.model_type == "exaone4" else head_dim(config)),
         **(_ROUTED if routed else {}),
     )
 

@@ -23,7 +23,7 @@ from ..spec.catalog import ADDED, BY_NAME, CATALOG, IDENTITY_TERMS, STREAM
 from ..spec.errors import NNterpError
 from ..spec.fingerprint import fingerprint
 from ..spec.identity import SEQUENTIAL, Name, Scaled, Sum, addends, evaluate, names_in
-from ..spec.locations import At
+from ..spec.locations import At, SameAs
 from ..spec.selection import block_calls
 from ..spec.sourced import sourced
 from ..version import __version__
@@ -249,6 +249,32 @@ def _placement_problems(model, layer: int, values, label: str) -> list[str]:
     if labelled_routed != has_experts and isinstance(block.resolve("mlp_output"), At):
         problems.append(f"{label}: the spec labels the MLP {'routed' if labelled_routed else 'dense'}, but the "
                         f"block ({type(module).__name__}) has {'experts' if has_experts else 'no experts'}")
+    return problems + _where_present_problems(model, layer, values, label)
+
+
+def _where_present_problems(model, layer: int, values, label: str) -> list[str]:
+    """The values placed by default (``families.base.where_present_defaults``) where the block's modules say
+    otherwise: a contribution read at a norm's output (by the norm's class) with nothing before that norm; an
+    activation's input that the activation module does not turn into ``mlp_activation``."""
+    block = model.block_spec(layer)
+    problems = []
+    for name in ("attention_output", "mlp_output"):
+        where = block.resolve(name)
+        if isinstance(where, At) and isinstance(block.resolve(f"{name}_before_norm"), At) and isinstance(
+                block.values[f"{name}_before_norm"], SameAs):
+            module = model._module.get_submodule(model.block_path(layer, where.path))
+            if "norm" in type(module).__name__.lower():
+                problems.append(f"{label}: '{name}' is the output of a norm ({where.path}, "
+                                f"{type(module).__name__}), but '{name}_before_norm' is the same place: place it at "
+                                "the norm's input")
+    pre, activation = block.resolve("mlp_pre_activation"), block.resolve("mlp_activation")
+    if "mlp_pre_activation" in values and "mlp_activation" in values and isinstance(pre, At) and not pre.op \
+            and isinstance(activation, At) and activation.path == pre.path and activation.side == "output":
+        module = model._module.get_submodule(model.block_path(layer, pre.path))
+        with torch.no_grad():
+            recomputed = module(values["mlp_pre_activation"])
+        if not torch.equal(recomputed, values["mlp_activation"]):
+            problems.append(f"{label}: {pre.path} applied to 'mlp.mlp_pre_activation' is not 'mlp.mlp_activation'")
     return problems
 
 

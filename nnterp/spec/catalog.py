@@ -25,12 +25,14 @@ DIMS: dict[str, str] = {
     "num_key_value_heads": "the key and value heads",
     "head_dim": "a head's width",
     "intermediate_size": "the MLP's width",
+    "num_experts": "the routed experts",
 }
 STREAM_DIMS = ("batch", "seq", "hidden_size")
 PER_HEAD = ("batch", "seq", "num_heads", "head_dim")
 PER_KV_HEAD = ("batch", "seq", "num_key_value_heads", "head_dim")
 PATTERN = ("batch", "num_heads", "query", "key")
 NEURONS = ("batch", "seq", "intermediate_size")
+EXPERTS = ("batch", "seq", "num_experts")
 
 
 @sourced
@@ -60,25 +62,43 @@ CATALOG: tuple[Value, ...] = (
     Value("layer_input", "block", STREAM_DIMS, 0, "the residual stream entering the block", "input"),
     Value("attention_norm_output", "block", STREAM_DIMS, 1,
           "the normed stream the attention reads (the token mixer, on a hybrid's other blocks)"),
-    Value("queries", "self_attn", PER_HEAD, 2,
+    Value("query_norm_input", "self_attn", PER_HEAD, 2,
+          "the queries entering the attention's query norm, per head (the query projection's output)"),
+    Value("query_norm_output", "self_attn", PER_HEAD, 3,
+          "the queries leaving the attention's query norm, per head (before any rotary embedding)"),
+    Value("key_norm_input", "self_attn", PER_KV_HEAD, 4,
+          "the keys entering the attention's key norm, per key-value head (the key projection's output)"),
+    Value("key_norm_output", "self_attn", PER_KV_HEAD, 5,
+          "the keys leaving the attention's key norm, per key-value head (before any rotary embedding)"),
+    Value("queries", "self_attn", PER_HEAD, 6,
           "the queries as the attention uses them (after q norms and rotary embeddings)"),
-    Value("keys", "self_attn", PER_KV_HEAD, 2,
+    Value("keys", "self_attn", PER_KV_HEAD, 6,
           "the keys as the attention uses them (after k norms and rotary embeddings)"),
-    Value("values", "self_attn", PER_KV_HEAD, 2, "the values the heads mix"),
-    Value("attention_scores", "self_attn", PATTERN, 3, "the scores before the softmax: scaled, softcapped, masked"),
-    Value("attention_probabilities", "self_attn", PATTERN, 4, "the attention pattern, after the softmax"),
-    Value("attention_premix", "self_attn", PER_HEAD, 5, "every head's output before the output projection"),
-    Value("attention_output", "self_attn", STREAM_DIMS, 6, "what the attention adds to the stream", "added"),
-    Value("mixer_output", "block", STREAM_DIMS, 6,
+    Value("values", "self_attn", PER_KV_HEAD, 6, "the values the heads mix"),
+    Value("attention_scores", "self_attn", PATTERN, 7, "the scores before the softmax: scaled, softcapped, masked"),
+    Value("attention_probabilities", "self_attn", PATTERN, 8, "the attention pattern, after the softmax"),
+    Value("attention_premix", "self_attn", PER_HEAD, 9, "every head's output before the output projection"),
+    Value("attention_output_before_norm", "self_attn", STREAM_DIMS, 10,
+          "what the attention returns, before the norm a block with norms after its sublayers applies to it "
+          "(attention_output where no norm follows the attention)"),
+    Value("attention_output", "self_attn", STREAM_DIMS, 11, "what the attention adds to the stream", "added"),
+    Value("mixer_output", "block", STREAM_DIMS, 11,
           "what the block's token mixer (attention, Mamba, linear attention or convolution) adds to the stream",
           "added"),
-    Value("layer_mid", "block", STREAM_DIMS, 7, "the stream after the token mixer's add", "mid"),
-    Value("mlp_norm_output", "block", STREAM_DIMS, 8, "the output of the norm before the MLP"),
-    Value("mlp_input", "block", STREAM_DIMS, 9, "what the MLP is called with"),
-    Value("mlp_activation", "mlp", NEURONS, 10, "the output of the MLP's activation function"),
-    Value("mlp_neurons", "mlp", NEURONS, 11, "what the down projection sums"),
-    Value("mlp_output", "mlp", STREAM_DIMS, 12, "what the MLP adds to the stream", "added"),
-    Value("layer_output", "block", STREAM_DIMS, 13, "the residual stream leaving the block", "output"),
+    Value("layer_mid", "block", STREAM_DIMS, 12, "the stream after the token mixer's add", "mid"),
+    Value("mlp_norm_output", "block", STREAM_DIMS, 13, "the output of the norm before the MLP"),
+    Value("mlp_input", "block", STREAM_DIMS, 14, "what the MLP is called with"),
+    Value("router_logits", "mlp", EXPERTS, 15, "a routed mixture's router logits, one per expert, before any "
+          "softmax or choice"),
+    Value("mlp_pre_activation", "mlp", NEURONS, 16,
+          "the input of the MLP's activation function (the gate projection's output on a gated MLP)"),
+    Value("mlp_activation", "mlp", NEURONS, 17, "the output of the MLP's activation function"),
+    Value("mlp_neurons", "mlp", NEURONS, 18, "what the down projection sums"),
+    Value("mlp_output_before_norm", "mlp", STREAM_DIMS, 19,
+          "what the MLP returns, before the norm a block with norms after its sublayers applies to it "
+          "(mlp_output where no norm follows the MLP)"),
+    Value("mlp_output", "mlp", STREAM_DIMS, 20, "what the MLP adds to the stream", "added"),
+    Value("layer_output", "block", STREAM_DIMS, 21, "the residual stream leaving the block", "output"),
 )
 BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}
 OWNERS = ("block", "self_attn", "mlp")
@@ -96,6 +116,11 @@ def _named(residual: tuple[str | None, ...]) -> tuple[str, ...]:
 STREAM, ADDED = _named(("input", "mid", "output")), _named(("added",))
 # The terms of the residual identity: the stream entering the block, what is added, the stream leaving it.
 IDENTITY_TERMS = _named(("input", "added", "output"))
+# Values a block has only where its family has what computes them (a query or key norm, a router, a norm after a
+# sublayer, an activation module): a family spec places them where it has; the block spec gives every other block
+# the default (``families.base.Block``: unavailable with the reason, or the same place as the value they equal there)
+WHERE_PRESENT = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output",
+                 "attention_output_before_norm", "router_logits", "mlp_pre_activation", "mlp_output_before_norm")
 # Values inside the attention computation: read inside the model's eager attention when they are on.
 ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 # The values of a block's attention: unavailable together on a hybrid's blocks that mix tokens otherwise.

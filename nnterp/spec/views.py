@@ -133,6 +133,24 @@ class Heads(_Reshaped):
         return " (viewed per head)"
 
 
+class HeadWidth(_Reshaped):
+    """The last dimension as ``[heads, width]``, by a head's ``width`` (a norm over a projection's whole output,
+    ``[batch, seq, heads * width]``, read per head: the key-value heads of a key projection too)."""
+
+    name = "head_width"
+    rank = 40
+    joins = False
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def shape(self, shape, block, heads):
+        return (*shape[:-1], shape[-1] // self.width, self.width)
+
+    def describe(self) -> str:
+        return f" (viewed per head of width {self.width})"
+
+
 class HeadsFirst(View):
     """``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``: a transposed view of the same storage."""
 
