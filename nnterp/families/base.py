@@ -85,8 +85,9 @@ def where_present_defaults(values: dict) -> dict[str, Location]:
     if isinstance(activation, Unavailable):
         defaults["mlp_pre_activation"] = activation
     elif (isinstance(activation, At) and activation.side == "output" and not activation.op and activation.path
-          and not activation._derived and not activation.shared):
-        defaults["mlp_pre_activation"] = At(activation.path, "input")
+          and not (activation.copy or activation.join or activation.shared or activation._fresh)):
+        # an activation is elementwise: its input has its output's shape, read through the same views
+        defaults["mlp_pre_activation"] = At(activation.path, "input", views=activation.views)
     else:
         where = activation.describe() if isinstance(activation, At) else "no module"
         defaults["mlp_pre_activation"] = Unavailable(

@@ -72,6 +72,9 @@ KERNEL = ("vLLM's Transformers backend calls its attention kernel as `attn.forwa
 GLU = ("vLLM's Transformers backend fuses the gated MLP's gate and up projections and computes act(gate) * up in "
        "one op (its GLU fuser: the act module becomes an act-and-mul): act(gate) alone is never a tensor; "
        "mlp_neurons is that op's output")
+GLU_INPUT = ("vLLM's Transformers backend fuses the gated MLP's gate and up projections into one (its GLU fuser), "
+             "whose act-and-mul module reads both: the activation's input, the gate's part of it, is not placed on the "
+             "backend yet")
 OPERATION = ("read at an operation inside transformers' forward (`.source`), which vLLM's Transformers backend "
              "recompiles where it fuses modules: nnterp reads it at module boundaries only there")
 # the block's values (``mixer_output`` is the attention's output on these families)
@@ -98,6 +101,8 @@ def backend_family(spec, config) -> VLLMFamily:
             unavailable[name] = OPERATION
         elif name == "mlp_activation" and fused_activation(spec.name, config.model_type):
             unavailable[name] = GLU
+        elif name == "mlp_pre_activation" and fused_activation(spec.name, config.model_type):
+            unavailable[name] = GLU_INPUT
         else:
             values[name] = location
     return VLLMFamily(name=spec.name, shape=PLAIN, values=_in_forward_order(values), layers=_under_model(spec.layers),

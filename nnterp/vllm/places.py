@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..families.base import PARALLEL_NO_MID, ROUTED
+import torch
+
+from ..families.base import PARALLEL_NO_MID, ROUTED, qk_norms
 from ..spec.catalog import ATTENTION_INTERNALS
 from ..spec.locations import At
 from ..spec.views import Times, View
@@ -415,7 +417,82 @@ def _with_kernel(family: VLLMFamily) -> VLLMFamily:
     return dataclasses.replace(family, values=values, unavailable=unavailable)
 
 
-FAMILIES = {name: _with_kernel(family) for name, family in FAMILIES.items()}
+class GateHalf(View):
+    """The gate's half of a fused gate-and-up projection's output (``[gate | up]``, what vLLM's ``SiluAndMul`` reads):
+    the input of the activation function, handed back with the up half kept where edited."""
+
+
+    name = "gate_half"
+    rank = 70
+    fresh = True  # a slice: handed back through ``unview``, which puts the up half back beside it
+
+    def view(self, tensor, block, heads):
+        return tensor[..., : tensor.shape[-1] // 2]
+
+    def unview(self, value, tensor, block, heads):
+        return torch.cat([value, tensor[..., tensor.shape[-1] // 2:]], dim=-1)
+
+    def describe(self) -> str:
+        return " (its first half: the gate's, which the activation function reads)"
+
+
+# vLLM's rotary embedding rotates the normed queries and keys in place: their norms' outputs are read as copies (an
+# edit handed back), so a value kept past the rotation is still what the norm gave
+_QK_NORMS = {name: {value: dataclasses.replace(place, copy=True) if place.side == "output" else place
+                    for value, place in qk_norms().items()} for name in ("Qwen3", "Qwen3-MoE", "Gemma-3")}
+_ROUTERS = {"Mixtral": "block_sparse_moe.gate", "Granite-MoE": "block_sparse_moe.gate", "Qwen2-MoE": "mlp.gate",
+            "Qwen3-MoE": "mlp.gate", "OLMoE": "mlp.gate", "GPT-OSS": "mlp.router"}
+# where vLLM's MLP computes its activation's input, on the blocks whose activation module is shared between them (the
+# up projection's output; vLLM's linear layers return (output, bias))
+_UP = {"GPT-2": "mlp.c_fc", "GPT-J": "mlp.fc_in", "OPT": "fc1", "Falcon": "mlp.dense_h_to_4h",
+       "BLOOM": "mlp.dense_h_to_4h"}
+_NO_QK_NORM = ("vLLM's code for this family norms no queries or keys of their own, or nnterp places none on it yet "
+               "(OLMoE's norms read the whole projection, gathered across the ranks)")
+
+
+def _where_present(family: VLLMFamily) -> VLLMFamily:
+    """``family`` with the values the catalog has only where their module is (``WHERE_PRESENT``): the q/k norms'
+    inputs and outputs, the router's logits, the activation's input (the gate's half of the fused gate-and-up output
+    vLLM's activation reads, or the up projection's output), and the contributions before a sandwich block's norms
+    (the norm's input; elsewhere the contribution's own place), each inserted in forward order."""
+    name, values, unavailable = family.name, family.values, dict(family.unavailable)
+    new: dict[str, Place] = dict(_QK_NORMS.get(name, {}))
+    if name not in _QK_NORMS:
+        unavailable.update(dict.fromkeys(("query_norm_input", "query_norm_output", "key_norm_input",
+                                          "key_norm_output"), _NO_QK_NORM))
+    if name in _ROUTERS:
+        new["router_logits"] = At(_ROUTERS[name], "output")
+    else:
+        unavailable.setdefault("router_logits", unavailable.get("mlp_neurons", "a dense MLP: no router"))
+    if name in _UP:
+        new["mlp_pre_activation"] = At(_UP[name], "output")
+    elif "mlp_neurons" in values and family.mlp:
+        # the gate-and-up projection's output, not the act-and-mul module's input: vLLM shares one such module
+        # between the blocks on some families (Gemma-3's, from its registry), so it has one path, block 0's
+        new["mlp_pre_activation"] = At(f"{family.mlp}.gate_up_proj", "output", views=(GateHalf(),))
+    else:
+        unavailable["mlp_pre_activation"] = unavailable["mlp_neurons"]
+    for contribution in ("attention_output", "mlp_output"):
+        place = values[contribution]
+        after_norm = isinstance(place, At) and "norm" in place.path.rpartition(".")[2]
+        new[f"{contribution}_before_norm"] = At(place.path, "input") if after_norm else place
+    ordered: dict[str, Place] = {}
+    anchors = {"queries": ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"),
+               "attention_output": ("attention_output_before_norm",),
+               "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_output_before_norm")}
+    for key, place in values.items():
+        if key in ("mlp_activation", "mlp_neurons", "mlp_output"):  # the router and the activation's input first
+            for early in ("router_logits", "mlp_pre_activation"):
+                if early in new and early not in ordered:
+                    ordered[early] = new[early]
+        for before in anchors.get(key, ()):
+            if before in new and before not in ordered:
+                ordered[before] = new[before]
+        ordered[key] = place
+    return dataclasses.replace(family, values=ordered, unavailable=unavailable)
+
+
+FAMILIES = {name: _where_present(_with_kernel(family)) for name, family in FAMILIES.items()}
 
 
 KERNEL_SHARDED = ("under tensor parallelism each rank's attention kernel receives its own heads' queries, keys and "
@@ -424,10 +501,21 @@ KERNEL_SHARDED = ("under tensor parallelism each rank's attention kernel receive
                   "input, gathered) is whole; run with tensor_parallel_size=1 for the attention's internals")
 
 
+RANK_SHARDED = ("under tensor parallelism each rank norms its own heads' queries and keys, and its activation reads its "
+                "own slice of the fused gate-and-up projection, at no parallel linear layer's boundary (where nnsight "
+                "gathers the ranks' pieces into the whole): read here they would be one rank's slice; run with "
+                "tensor_parallel_size=1 for them")
+
+
 def sharded(family: VLLMFamily) -> VLLMFamily:
     """``family`` on a tensor-parallel engine: the values at module boundaries are whole (the stream is all-reduced;
     nnsight gathers the pieces at the parallel linear layers' boundaries), those at the attention kernel are one
     rank's heads, and are refused with the reason."""
     kernel = [name for name in ATTENTION_INTERNALS if name in family.values]  # at the kernel (``_with_kernel``)
-    return dataclasses.replace(family, values={k: v for k, v in family.values.items() if k not in kernel},
-                               unavailable={**family.unavailable, **dict.fromkeys(kernel, KERNEL_SHARDED)})
+    # a rank's own heads (each rank norms its heads' queries and keys) and a rank's own gate-and-up slab (the
+    # activation's input): at no parallel linear layer's boundary either
+    own = [name for name, place in family.values.items() if "_norm_" in name and name.startswith(("query", "key"))
+           or isinstance(place, At) and any(isinstance(view, GateHalf) for view in place.views)]
+    refused = {**dict.fromkeys(kernel, KERNEL_SHARDED), **dict.fromkeys(own, RANK_SHARDED)}
+    return dataclasses.replace(family, values={k: v for k, v in family.values.items() if k not in refused},
+                               unavailable={**family.unavailable, **refused})

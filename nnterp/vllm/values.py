@@ -16,8 +16,9 @@ from nnsight.intervention.eproperty import eproperty
 from nnsight.intervention.interleaver import Mediator
 
 from ..core.engine import ValueOutsideTrace
+from ..core.loading import has_module
 from ..spec.catalog import value_named
-from ..spec.errors import BadAssignment
+from ..spec.errors import BadAssignment, ValueUnavailable
 from .attention import recomputed, refuse_write
 from .places import FromKernel, FusedStream, Place, VLLMFamily
 from .stream import StreamAt, check_streams, read_stream
@@ -126,6 +127,10 @@ def place_of(envoy, name: str) -> Place:
     place = family.values.get(name)
     if place is None:
         raise family.refusal(name)
+    if place.path and not has_module(_block_of(envoy)._module, place.path):  # a mixture's dense block: no router
+        raise ValueUnavailable(value_named(name).key, f"{family.name} (vLLM)",
+                               f"block {envoy._nnterp_layer} has no {place.path} in vLLM's model (a mixture's dense "
+                               "blocks have no router)")
     return place
 
 

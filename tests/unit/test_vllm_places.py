@@ -36,9 +36,12 @@ def test_a_placement_agrees_with_its_family_spec(name):
     config = spec.tiny_config()
     for key, value in placed.requires.items():  # the configs vLLM's code for the family computes
         setattr(config, key, value)
-    block = spec.block(config, 0)
+    text = config.get_text_config()
+    blocks = [spec.block(text, i) for i in range(text.num_hidden_layers)]
     for value in NAMES:
-        location = block.resolve(value)
+        # the value where some block has it (a mixture's router is on its routed blocks only)
+        location = next((block.resolve(value) for block in blocks
+                         if not isinstance(block.resolve(value), Unavailable)), blocks[0].resolve(value))
         on_transformers = not isinstance(location, Unavailable)
         if value in placed.values:
             assert on_transformers, f"{name}: {value} placed on vLLM, but the family has no such value"
@@ -87,6 +90,8 @@ def test_a_transformers_backend_family_is_its_spec_at_the_same_modules(name):
             assert not location.op and not location.join
         elif value == "mlp_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
             assert "act(gate) * up in one op" in placed.reason(value)
+        elif value == "mlp_pre_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
+            assert "GLU fuser" in placed.reason(value)
         else:
             assert isinstance(location, Unavailable) or location.op, f"{name}: {value} dropped without a reason"
             assert placed.unavailable[value]

@@ -23,7 +23,7 @@ import nnsight  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from check_vllm import HOOKS, LLAMA_HOOKS, OWNER, PROMPT, blocks_of, build, greedy, hooked, where  # noqa: E402
+from check_vllm import HOOKS, LLAMA_HOOKS, OWNER, PROMPT, blocks_of, build, greedy, hooked, where, with_points  # noqa: E402
 
 
 def main(family: str) -> dict:
@@ -31,7 +31,7 @@ def main(family: str) -> dict:
 
     folder = tempfile.mkdtemp(prefix=f"nnterp-vllm-parallel-{family}-")
     hf = build(family, folder)
-    hooks = HOOKS.get(family, LLAMA_HOOKS)
+    hooks = with_points(HOOKS.get(family, LLAMA_HOOKS), family)
     model = StandardizedVLLM(folder, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
                              max_model_len=128, enable_prefix_caching=False)
     result: dict = {"family": model.vllm_family.name}

@@ -259,8 +259,67 @@ HOOKS = {"gpt_neox": {k: v for k, v in NEOX_HOOKS.items() if k != "layer_mid"}, 
          "granitemoe": GRANITE_MOE_HOOKS, "hyperclovax": HYPERCLOVAX_HOOKS,
          "bloom": BLOOM_HOOKS, "falcon": FALCON_HOOKS, "opt": OPT_HOOKS, "gpt2": GPT2_HOOKS, "gemma2": GEMMA2_HOOKS,
          "gemma3": GEMMA2_HOOKS, "gptj": GPTJ_HOOKS, "glm4": GLM4_HOOKS}
+# the values a block has where its module is (the catalog's WHERE_PRESENT), at transformers' modules, per type: the
+# q/k norms (a fourth element "heads_first": the norm reads [batch, heads, seq, dim]), the router, the activation's
+# input; the contributions before a sandwich block's norms are found below (the norm's input, else the contribution)
+QK = {"query_norm_input": ("self_attn.q_norm", "input"), "query_norm_output": ("self_attn.q_norm", "output"),
+      "key_norm_input": ("self_attn.k_norm", "input"), "key_norm_output": ("self_attn.k_norm", "output")}
+QK_FIRST = {name: (path, side, None, "heads_first") for name, (path, side) in QK.items()}
+PERSIMMON_QK = {name: (path.replace("_norm", "_layernorm"), side) for name, (path, side) in QK.items()}
+ACT_IN = {"mlp_pre_activation": ("mlp.act_fn", "input")}
+WHERE_PRESENT = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "gemma", "gemma2", "stablelm", "cohere", "cohere2", "granite",
+                     "hyperclovax", "olmo", "smollm3", "vaultgemma", "helium", "seed_oss", "ministral", "cwm",
+                     "hunyuan_v1_dense", "arcee", "jais2"), ACT_IN),
+    "qwen3": {**QK, **ACT_IN}, "gemma3": {**QK_FIRST, **ACT_IN}, "qwen3_moe": {**QK, "router_logits": ("mlp.gate", "output")},
+    "olmoe": {**QK, "router_logits": ("mlp.gate", "output")}, "mixtral": {"router_logits": ("mlp.gate", "output")},
+    "qwen2_moe": {"router_logits": ("mlp.gate", "output")}, "gpt_oss": {"router_logits": ("mlp.router", "output")},
+    "granitemoe": {"router_logits": ("block_sparse_moe.router", "output")},
+    "phi3": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
+    "glm4": {"mlp_pre_activation": ("mlp.activation_fn", "input")}, "glm": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
+    **dict.fromkeys(("gpt2", "gptj", "falcon", "gpt_bigcode", "codegen", "gpt_neox", "gpt_neox_sequential"),
+                    {"mlp_pre_activation": ("mlp.act", "input")}),
+    "opt": {"mlp_pre_activation": ("activation_fn", "input")}, "biogpt": {"mlp_pre_activation": ("activation_fn", "input")},
+    "bloom": {"mlp_pre_activation": ("mlp.gelu_impl", "input")},
+    "olmo2": {**QK, **ACT_IN}, "olmo3": {**QK, **ACT_IN}, "flex_olmo": {**QK, "router_logits": ("mlp.gate", "output")},
+    "kolibri1": {**QK_FIRST, "router_logits": ("mlp.gate", "output")}, "nanochat": {**QK_FIRST,
+                 "mlp_pre_activation": ("mlp.activation_fn", "input")},
+    "persimmon": {**PERSIMMON_QK, "mlp_pre_activation": ("mlp.act", "input")},
+    "starcoder2": {"mlp_pre_activation": ("mlp.act", "input")},
+    "phi": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
+}
+
+
+INTERNAL_NAMES = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
+
+
+def with_points(hooks: dict, family: str) -> dict:
+    """``hooks`` with the family's ``WHERE_PRESENT`` places, in forward order: the q/k norms before the heads' output,
+    the router and the activation's input before the activation, each contribution's value before its norm just
+    before it (the norm's input, where the contribution is a norm's output; else the contribution's own place)."""
+    extra = dict(WHERE_PRESENT.get(family, {}))
+    for name in ("attention_output", "mlp_output"):
+        if name in hooks:
+            path, side, *rest = hooks[name]
+            extra[f"{name}_before_norm"] = (path, "input") if "norm" in path.rpartition(".")[2] else hooks[name]
+    anchors = {"attention_premix": ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"),
+               "attention_output": ("attention_output_before_norm",),
+               "mlp_activation": ("router_logits", "mlp_pre_activation"),
+               "mlp_neurons": ("router_logits", "mlp_pre_activation"),
+               "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_output_before_norm")}
+    out: dict = {}
+    for name, place in hooks.items():
+        for before in anchors.get(name, ()):
+            if before in extra and before not in out:
+                out[before] = extra[before]
+        out[name] = place
+    return out
+
+
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
-         "mlp_neurons": "mlp", "mlp_output": "mlp"}
+         "mlp_neurons": "mlp", "mlp_output": "mlp", **{name: "self_attn" for name in QK},
+         "attention_output_before_norm": "self_attn", "router_logits": "mlp", "mlp_pre_activation": "mlp",
+         "mlp_output_before_norm": "mlp"}
 PROMPT = [5, 17, 33, 9, 60, 41, 12]
 OTHER = [7, 8, 99, 3]
 
@@ -316,10 +375,13 @@ def hooked(model, ids, hooks, edit=None):
                 module = block.get_submodule(path) if path else block
             except AttributeError:  # a value the family does not have (a mixture of experts' down projection)
                 continue
-            times = getattr(block, factor[0]) if factor else None
+            times = getattr(block, factor[0]) if factor and factor[0] else None
+            heads_first = "heads_first" in factor
 
-            def record(_module, args, kwargs_or_out, out=None, i=i, name=name, side=side, times=times):
+            def record(_module, args, kwargs_or_out, out=None, i=i, name=name, side=side, times=times,
+                       heads_first=heads_first):
                 tensor = (args[0] if args else kwargs_or_out["hidden_states"]) if side == "input" else first(out)
+                tensor = tensor.transpose(1, 2) if heads_first else tensor  # [batch, seq, heads, dim]
                 seen[(i, name)] = (tensor.detach() if times is None else tensor.detach() * times).clone()
             if side == "input":
                 handles.append(module.register_forward_pre_hook(lambda m, a, k, f=record: f(m, a, k), with_kwargs=True))
@@ -329,7 +391,7 @@ def hooked(model, ids, hooks, edit=None):
         layer, (path, side, *factor), fn, stream = edit
         block = blocks_of(model)[layer]
         module = block.get_submodule(path) if path else block
-        if factor:  # the edit is of the product the stream receives: the module's output is that edit divided back
+        if factor and factor[0]:  # the edit is of the product the stream receives: the module's output, divided back
             times, unscaled = getattr(block, factor[0]), fn
             fn = lambda t: unscaled(t * times) / times  # noqa: E731
         if side == "output":
@@ -391,7 +453,7 @@ def main(family: str) -> dict:
 
     folder = tempfile.mkdtemp(prefix=f"nnterp-vllm-{family}-")
     hf = build(family, folder)
-    hooks = HOOKS.get(family, LLAMA_HOOKS)
+    hooks = with_points(HOOKS.get(family, LLAMA_HOOKS), family)
     if family == "bloom":  # vLLM's BLOOM uses the exact GELU, transformers' the tanh approximation: use vLLM's here
         for block in blocks_of(hf):
             block.mlp.gelu_impl = torch.nn.GELU()
@@ -459,7 +521,23 @@ def main(family: str) -> dict:
         expected, _ = hooked(hf, PROMPT, hooks, edit=(layer, hf_paths[name], fn, name == "layer_mid"))
         edits[f"{layer}.{name}.{how}"] = {"diff": float((edited - expected).abs().max()),
                                           "moved": float((expected - ref_logits).abs().max())}
+    # the values a block has where its module is: each edited in place (1.5 t + 0.25, elementwise, so the same on any
+    # layout), against the same edit by a hook on transformers' module
+    for name in ("query_norm_output", "key_norm_input", "attention_output_before_norm", "mlp_pre_activation",
+                 "mlp_output_before_norm"):
+        if name not in available:
+            continue
+        with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            value = getattr(where(model, 1, name), name)
+            value[:] = value * 1.5 + 0.25
+            edited = model.logits.save()
+        expected, _ = hooked(hf, PROMPT, hooks, edit=(1, hooks[name], lambda t: t * 1.5 + 0.25, False))
+        edits[f"1.{name}.inplace"] = {"diff": float((edited - expected).abs().max()),
+                                      "moved": float((expected - ref_logits).abs().max())}
     result["edits"] = edits
+    # every value served on vLLM is one compared above (the attention's internals below)
+    result["unchecked"] = sorted(key for key, entry in model.availability(0).items() if entry.available
+                                 and key.rpartition(".")[2] not in (*hooks, *INTERNAL_NAMES, "mixer_output"))
 
     # two invokes in one trace, prompts of different lengths
     with torch.no_grad(), model.trace(temperature=0.0, max_tokens=1) as tracer:

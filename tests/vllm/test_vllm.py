@@ -104,6 +104,7 @@ def test_every_value_equals_transformers_hooks(measured):
     else:  # the attention's internals are served (at the kernel's inputs, the scores and probabilities recomputed)
         assert not internals, measured["reasons"]
         assert measured["outside_a_trace"] == [True, True, True]  # the scores are recomputed: available
+    assert not measured["unchecked"], f"served on vLLM but compared with no hook: {measured['unchecked']}"
     assert len(measured["value_diffs"]) == 3 * len(measured["available"])
     far = {key: diff for key, diff in measured["value_diffs"].items() if diff > FLOAT32}
     assert not far, far
