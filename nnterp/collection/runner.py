@@ -192,7 +192,7 @@ def _events(model, names, layers, features, steering) -> list[tuple]:
     """The values to read and the steering to apply, in forward order (a steering just before the read of the
     value it steers): ``[("read", name, layer) | ("steer", name, layer, steerings)]``."""
     sites = {(layer, name) for layer in layers for name in names} | {site for _, site in features.values()}
-    order = {layer: model.order(layer, aliases=True) for layer in {layer for layer, _ in [*sites, *steering]}}
+    order = {layer: model.order(layer, aliases=True, where_present=True) for layer in {layer for layer, _ in [*sites, *steering]}}
     events = [((layer, order[layer][BY_NAME[name].key], 1), ("read", name, layer)) for layer, name in sites]
     events += [((layer, order[layer][BY_NAME[name].key], 0), ("steer", name, layer, steerings))
                for (layer, name), steerings in steering.items()]

@@ -11,7 +11,7 @@ import torch
 from nnsight.modeling.transformers import TransformersModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..spec.catalog import BY_NAME, CATALOG
+from ..spec.catalog import BY_NAME, CATALOG, WHERE_PRESENT
 from ..spec.errors import NNterpError
 from ..spec.locations import At, SameAs, Unavailable
 from ..spec.selection import layer_ranges
@@ -47,6 +47,16 @@ class AvailabilityTable(dict):
     __str__ = __repr__
 
 
+def _listed(values, key: str, aliases: bool, where_present: bool) -> bool:
+    """Whether ``order`` lists the value ``key`` of a block whose spec places ``values``: a value the block has where its
+    module is only with ``where_present``; one that is another value's place under another name only with
+    ``aliases``."""
+    name = key.rpartition(".")[2]
+    if name in WHERE_PRESENT and not where_present:
+        return False
+    return aliases or not (name in ("mixer_output", *WHERE_PRESENT) and isinstance(values.get(name), SameAs))
+
+
 class ValueOrder:
     """Availability and forward order of the values of each block."""
 
@@ -62,17 +72,19 @@ class ValueOrder:
                 result[value.key] = Availability(location=location.describe())
         return result
 
-    def order(self: WrappedModel, layer: int, aliases: bool = False) -> dict[str, int]:
+    def order(self: WrappedModel, layer: int, aliases: bool = False, where_present: bool = False) -> dict[str, int]:
         """Forward-order ranks of block ``layer``'s available values; equal ranks share a location.
 
         Read a block's values in this order within one trace: reading one after a later one
         raises nnsight's ``OutOfOrderError``. ``mixer_output`` is listed where it is not simply
         the attention's output (a hybrid's blocks without attention); ``aliases=True`` lists it
-        on every block.
+        on every block. ``where_present=True`` adds the values a block has where its module is (the
+        q/k norms' inputs and outputs, the router's logits, the activation's input, and, where a norm
+        follows a sublayer, its output before that norm).
         """
-        alias = isinstance(self.block_spec(layer).values.get("mixer_output"), SameAs)
+        values = self.block_spec(layer).values
         events = {key: event for event, key, _ in self.timeline(layer)
-                  if not key.startswith("extra.") and (aliases or not (alias and key == "mixer_output"))}
+                  if not key.startswith("extra.") and _listed(values, key, aliases, where_present)}
         ranks = {event: rank for rank, event in enumerate(sorted(set(events.values())))}
         return {key: ranks[event] for key, event in events.items()}
 

@@ -240,7 +240,7 @@ def _check_module(model, dictionary, layer: int, value: str, location, path: str
 
 def _rank(model, site) -> tuple[int, int]:
     layer, value = site
-    return layer, model.order(layer)[BY_NAME[value].key]
+    return layer, model.order(layer, aliases=True, where_present=True)[BY_NAME[value].key]
 
 
 def flatten_heads(tensor: torch.Tensor, width: int, site) -> torch.Tensor:

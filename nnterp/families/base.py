@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..spec.attention import STANDARD, WITH_SINKS, EagerAttention
-from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG, WHERE_PRESENT
+from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG
 from ..spec.identity import SEQUENTIAL, A, Custom, Expr, Identity, M, Plus, PostNorm, Scaled, Sum, Terms, X, native
 from ..spec.locations import At, Location, SameAs, Unavailable, input, output
 from ..spec.sourced import sourced
@@ -380,10 +380,12 @@ def qk_norms(attention: str = "self_attn", q: str = "q_norm", k: str = "k_norm",
             for which, module in (("query", q), ("key", k)) for side in ("input", "output")}
 
 
-def router(path: str, index: int = 0) -> dict[str, At]:
-    """A routed mixture's router logits: element ``index`` of the output of its router (``path``), over the tokens
-    flattened or not."""
-    return {"router_logits": At(path, "output", index=index, unflatten=True)}
+def router(path: str, op: str = "F_linear_0") -> dict[str, At]:
+    """A routed mixture's router logits, over the tokens flattened or not: the output of the operation ``op`` of its
+    router's forward (``path``) that computes them, before the router chooses from them, so an edit of them reaches
+    the choice (as it does on vLLM, whose experts choose from the router's output); ``op=""``: the output of the
+    module at ``path`` (a linear layer the router calls)."""
+    return {"router_logits": At(path, "output", op=op, unflatten=True)}
 
 
 def head_dim(config: PretrainedConfig) -> int:

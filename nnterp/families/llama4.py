@@ -18,9 +18,9 @@ def _block(config, i):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="feed_forward", act="feed_forward.activation_fn",
         down_proj="feed_forward.down_proj",
-        # the router returns (scores, logits)
+        # the router computes its logits with its own linear layer's forward
         **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED, "mlp_output": output("feed_forward", unflatten=True),
-            **router("feed_forward.router", index=1)}
+            **router("feed_forward.router", op="forward_0")}
            if routed else {}),
     )
 

@@ -33,7 +33,10 @@ def _gemma_block(config, i):
     )
 
 
-_ROUTED = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED, **router("mlp.gate")}
+_ROUTED = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED}
+KOLIBRI_ROUTER = Unavailable("Kolibri-1's router computes its logits on one of two paths, chosen by the device, the "
+                             "dtype and whether gradients are on (a float32 product on CUDA without them): no one "
+                             "place serves them on every run")
 
 
 def _glm4_block(config, i, routed=False):
@@ -42,7 +45,8 @@ def _glm4_block(config, i, routed=False):
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
         attention_output=output("post_self_attn_layernorm"), mlp_output=output("post_mlp_layernorm"),
         # Kolibri-1 (the routed one) norms each head's queries and keys; GLM-4 does not
-        **(_ROUTED | qk_norms(heads_first=True) if routed else {}),
+        # Kolibri-1's router computes its logits on one of two paths, by device and dtype: not placed
+        **(_ROUTED | qk_norms(heads_first=True) | {"router_logits": KOLIBRI_ROUTER} if routed else {}),
     )
 
 
@@ -51,7 +55,7 @@ def _afmoe_block(config, i):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", post_norm="pre_mlp_layernorm",
         mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj", attention_output=output("post_attention_layernorm"),
         mlp_output=output("post_mlp_layernorm"), **qk_norms(),
-        **(_ROUTED | router("mlp.router") if i >= config.num_dense_layers else {}),
+        **(_ROUTED | router("mlp.router.gate", op="") if i >= config.num_dense_layers else {}),
     )
 
 
@@ -68,7 +72,7 @@ def _olmo2_block(config, i, routed=False):
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
         # the q/k norms read the projections' whole outputs (EXAONE-4's, filed here, norm each head's)
         **qk_norms(width=None if config.model_type == "exaone4" else head_dim(config)),
-        **(_ROUTED if routed else {}),
+        **(_ROUTED | router("mlp.gate") if routed else {}),
     )
 
 

@@ -152,7 +152,7 @@ def _set_value(model, layer: int, key: str, tensor):
 
 
 def _key(model, layer: int, name: str) -> str:
-    keys = [key for key in model.order(layer, aliases=True) if key.rpartition(".")[2] == name]
+    keys = [key for key in model.order(layer, aliases=True, where_present=True) if key.rpartition(".")[2] == name]
     if not keys:
         _refuse(model, f"block {layer} has no {name}")
     return keys[0]

@@ -171,7 +171,7 @@ def steering_plan(model, steer, max_new_tokens: int | None) -> dict[tuple[int, s
             model.location(layer, name)  # unavailable on the block: refused before anything runs
             plan.setdefault((layer, name), []).append(
                 (steps, vector, steering.get("factor", 1.0), positions, steering.get("batch")))
-    order = {layer: model.order(layer, aliases=True) for layer, _ in plan}
+    order = {layer: model.order(layer, aliases=True, where_present=True) for layer, _ in plan}
     return dict(sorted(plan.items(), key=lambda item: (item[0][0], order[item[0][0]][BY_NAME[item[0][1]].key])))
 
 

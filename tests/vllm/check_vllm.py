@@ -471,7 +471,7 @@ def main(family: str) -> dict:
     available = [name for name in hooks if model.availability(0)[OWNER.get(name, "block") + "." + name
                                                                   if name in OWNER else name].available]
     result["available"] = available
-    result["missing"] = sorted(set(hooks) - set(available))
+    result["missing"] = sorted(f"{OWNER[name]}.{name}" if name in OWNER else name for name in set(hooks) - set(available))
     # outside a trace: hasattr tells availability, and an available value says it holds a tensor inside one
     result["outside_a_trace"] = [hasattr(model.layers[0].self_attn, "attention_scores"),
                                  hasattr(model.layers[0], "layer_output"),
@@ -534,6 +534,28 @@ def main(family: str) -> dict:
         expected, _ = hooked(hf, PROMPT, hooks, edit=(1, hooks[name], lambda t: t * 1.5 + 0.25, False))
         edits[f"1.{name}.inplace"] = {"diff": float((edited - expected).abs().max()),
                                       "moved": float((expected - ref_logits).abs().max())}
+    # the router's logits edited: every token sent to expert 0 (vLLM's experts choose from the gate's output), against
+    # transformers' router made to choose from the same edited logits (Mixtral's softmax, top k, renormalized)
+    if "router_logits" in available and family == "mixtral":
+        with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            logits = model.layers[1].mlp.router_logits
+            delta = torch.zeros(logits.shape[-1])
+            delta[0] = 8.0
+            logits[:] += delta
+            edited = model.logits.save()
+        router = blocks_of(hf)[1].get_submodule(hooks["router_logits"][0])
+
+        def choose(module, args, out, delta=delta):
+            logits = out[0] + delta
+            top, index = torch.topk(torch.softmax(logits.float(), dim=-1), module.top_k, dim=-1)
+            return logits, (top / top.sum(dim=-1, keepdim=True)).to(out[1].dtype), index
+        handle = router.register_forward_hook(choose)
+        try:
+            expected, _ = hooked(hf, PROMPT, {})
+        finally:
+            handle.remove()
+        edits["1.router_logits.inplace"] = {"diff": float((edited - expected).abs().max()),
+                                            "moved": float((expected - ref_logits).abs().max())}
     result["edits"] = edits
     # every value served on vLLM is one compared above (the attention's internals below)
     result["unchecked"] = sorted(key for key, entry in model.availability(0).items() if entry.available
