@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
 from ..spec.locations import At, Unavailable
+from ..spec.views import HeadsFirst
 from .family import PLAIN, VLLMFamily
 
 CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
@@ -75,6 +76,8 @@ GLU = ("vLLM's Transformers backend fuses the gated MLP's gate and up projection
 GLU_INPUT = ("vLLM's Transformers backend fuses the gated MLP's gate and up projections into one (its GLU fuser), "
              "whose act-and-mul module reads both: the activation's input, the gate's part of it, is not placed on the "
              "backend yet")
+HEADS_FIRST = ("read where the attention holds it [batch, heads, seq, dim]: on vLLM's Transformers backend that tensor is "
+               "[1, heads, tokens, dim] for the whole step, which nnsight does not split per request")
 OPERATION = ("read at an operation inside transformers' forward (`.source`), which vLLM's Transformers backend "
              "recompiles where it fuses modules: nnterp reads it at module boundaries only there")
 # the block's values (``mixer_output`` is the attention's output on these families)
@@ -103,6 +106,8 @@ def backend_family(spec, config) -> VLLMFamily:
             unavailable[name] = GLU
         elif name == "mlp_pre_activation" and fused_activation(spec.name, config.model_type):
             unavailable[name] = GLU_INPUT
+        elif any(isinstance(view, HeadsFirst) for view in location.views):
+            unavailable[name] = HEADS_FIRST
         else:
             values[name] = location
     return VLLMFamily(name=spec.name, shape=PLAIN, values=_in_forward_order(values), layers=_under_model(spec.layers),

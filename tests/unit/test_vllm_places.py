@@ -12,7 +12,7 @@ import pytest
 from nnterp.families import FAMILIES as SPECS
 from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
 from nnterp.spec.locations import At, Unavailable
-from nnterp.spec.views import Times
+from nnterp.spec.views import HeadsFirst, Times
 from nnterp.vllm.backend import BACKEND_FAMILIES, CLASSES, REJECTED
 from nnterp.vllm.places import FAMILIES, FUSED, KERNEL_VIEWS, FromKernel, FusedStream, family_for
 
@@ -92,6 +92,8 @@ def test_a_transformers_backend_family_is_its_spec_at_the_same_modules(name):
             assert "act(gate) * up in one op" in placed.reason(value)
         elif value == "mlp_pre_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
             assert "GLU fuser" in placed.reason(value)
+        elif isinstance(location, At) and any(isinstance(view, HeadsFirst) for view in location.views):
+            assert "whole step" in placed.reason(value)  # [1, heads, tokens, dim] for every request at once
         else:
             assert isinstance(location, Unavailable) or location.op, f"{name}: {value} dropped without a reason"
             assert placed.unavailable[value]

@@ -281,9 +281,8 @@ WHERE_PRESENT = {
                     {"mlp_pre_activation": ("mlp.act", "input")}),
     "opt": {"mlp_pre_activation": ("activation_fn", "input")}, "biogpt": {"mlp_pre_activation": ("activation_fn", "input")},
     "bloom": {"mlp_pre_activation": ("mlp.gelu_impl", "input")},
-    "olmo2": {**QK, **ACT_IN}, "olmo3": {**QK, **ACT_IN}, "flex_olmo": {**QK, "router_logits": ("mlp.gate", "output")},
-    "kolibri1": {**QK_FIRST, "router_logits": ("mlp.gate", "output")}, "nanochat": {**QK_FIRST,
-                 "mlp_pre_activation": ("mlp.activation_fn", "input")},
+    "olmo2": {**QK, **ACT_IN}, "olmo3": {**QK, **ACT_IN}, "flex_olmo": QK,
+    "kolibri1": QK_FIRST, "nanochat": {**QK_FIRST, "mlp_pre_activation": ("mlp.activation_fn", "input")},
     "persimmon": {**PERSIMMON_QK, "mlp_pre_activation": ("mlp.act", "input")},
     "starcoder2": {"mlp_pre_activation": ("mlp.act", "input")},
     "phi": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
@@ -521,27 +520,26 @@ def main(family: str) -> dict:
         expected, _ = hooked(hf, PROMPT, hooks, edit=(layer, hf_paths[name], fn, name == "layer_mid"))
         edits[f"{layer}.{name}.{how}"] = {"diff": float((edited - expected).abs().max()),
                                           "moved": float((expected - ref_logits).abs().max())}
-    # the values a block has where its module is: each edited in place (1.5 t + 0.25, elementwise, so the same on any
-    # layout), against the same edit by a hook on transformers' module
+    # the values a block has where its module is: each edited in place (1.5 t + 0.3 |t|, elementwise, so the same on
+    # any layout, and no affine map a norm after it would undo), against the same edit by a hook on transformers' module
     for name in ("query_norm_output", "key_norm_input", "attention_output_before_norm", "mlp_pre_activation",
                  "mlp_output_before_norm"):
         if name not in available:
             continue
         with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
             value = getattr(where(model, 1, name), name)
-            value[:] = value * 1.5 + 0.25
+            value[:] = value * 1.5 + 0.3 * value.abs()
             edited = model.logits.save()
-        expected, _ = hooked(hf, PROMPT, hooks, edit=(1, hooks[name], lambda t: t * 1.5 + 0.25, False))
+        expected, _ = hooked(hf, PROMPT, hooks, edit=(1, hooks[name], lambda t: t * 1.5 + 0.3 * t.abs(), False))
         edits[f"1.{name}.inplace"] = {"diff": float((edited - expected).abs().max()),
                                       "moved": float((expected - ref_logits).abs().max())}
     # the router's logits edited: every token sent to expert 0 (vLLM's experts choose from the gate's output), against
     # transformers' router made to choose from the same edited logits (Mixtral's softmax, top k, renormalized)
     if "router_logits" in available and family == "mixtral":
+        delta = torch.zeros(hf.config.num_local_experts)
+        delta[0] = 8.0
         with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):
-            logits = model.layers[1].mlp.router_logits
-            delta = torch.zeros(logits.shape[-1])
-            delta[0] = 8.0
-            logits[:] += delta
+            model.layers[1].mlp.router_logits[:] += delta
             edited = model.logits.save()
         router = blocks_of(hf)[1].get_submodule(hooks["router_logits"][0])
 

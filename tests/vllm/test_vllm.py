@@ -51,6 +51,12 @@ UNAVAILABLE = {"mixtral": {"mlp.mlp_neurons": "experts"}, "qwen2_moe": {"mlp.mlp
                   for key in ("olmo2", "olmo3", "flex_olmo")}}
 UNAVAILABLE["flex_olmo"]["mlp.mlp_neurons"] = "experts"
 UNAVAILABLE["kolibri1"] = {"mlp.mlp_neurons": "experts"}
+for key, fused in BACKEND.items():  # vLLM's GLU fuser reads the gate and up projections' outputs together
+    if fused and key not in ("flex_olmo", "kolibri1"):  # (routed mixtures: no activation's input to place)
+        UNAVAILABLE.setdefault(key, {})["mlp.mlp_pre_activation"] = "GLU fuser"
+for key in ("kolibri1", "nanochat"):  # their q/k norms read [batch, heads, seq, dim]: the whole step's, on the backend
+    UNAVAILABLE.setdefault(key, {}).update({f"self_attn.{which}_norm_{side}": "whole step" for which in ("query", "key")
+                             for side in ("input", "output")})
 UNAVAILABLE["olmoe"].update({f"self_attn.{which}_norm_{side}": "OLMoE" for which in ("query", "key")
                              for side in ("input", "output")})
 INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
@@ -118,6 +124,12 @@ def test_every_value_equals_transformers_hooks(measured):
 
 
 def test_edits_reach_the_next_block_as_a_hook_edit_does(measured):
+    # each value a block has where its module is, served here, edited in place against the hook's edit
+    for name in ("query_norm_output", "key_norm_input", "attention_output_before_norm", "mlp_pre_activation",
+                 "mlp_output_before_norm"):
+        assert (name in measured["available"]) == (f"1.{name}.inplace" in measured["edits"]), name
+    # an edit of the router's logits reaches vLLM's fused experts' choice as transformers' router's
+    assert ("1.router_logits.inplace" in measured["edits"]) == (measured["key"] == "mixtral")
     for key, edit in measured["edits"].items():
         assert edit["moved"] > 1e-2, f"{key}: the edit does not change the logits, so it proves nothing"
         assert edit["diff"] < 1e-4, f"{key}: {edit}"
