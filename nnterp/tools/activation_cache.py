@@ -209,14 +209,14 @@ def _with_steering(model, plan: dict, steering: dict) -> dict[int, list[tuple[st
 
 def _with_routing(model, layer: int, events: list) -> list:
     """A routed block's reads with what its experts receive and give (``analysis.ROUTING``, read at their input and
-    output) just before the first read at or after ``mlp_output``, which holds their output, or at the output of a
+    output) just before the first read at or after ``mlp_output_before_norm``, which holds their output, or at the output of a
     module that holds the experts (LongCat-Flash's shortcut, read before the block's later pairs); as they are
     elsewhere."""
     try:
         path, _, locations = analysis.experts_of(model, layer, "run_with_cache")
     except analysis.AnalysisUnavailable:  # a dense block, or experts whose place is not known: nothing to read
         return events
-    later = ("mlp_output", "layer_output")
+    later = ("mlp_output_before_norm", "mlp_output", "layer_output")
 
     def after_the_experts(name, where) -> bool:
         holds_them = isinstance(where, At) and where.side == "output" and f"{path}.".startswith(f"{where.path}.")
