@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..spec.attention import STANDARD, WITH_SINKS, EagerAttention
-from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG, WHERE_PRESENT
+from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG
 from ..spec.identity import SEQUENTIAL, A, Custom, Expr, Identity, M, Plus, PostNorm, Scaled, Sum, Terms, X, native
 from ..spec.locations import At, Location, SameAs, Unavailable, input, output
 from ..spec.sourced import sourced

@@ -23,7 +23,21 @@ block's ``residual_scale`` (``scale_depth / sqrt(num_hidden_layers)``), its atte
 
 import transformers
 
-from .base import ROUTED, STANDARD, A, Family, M, SameAs, Sum, Unavailable, X, added_times, output, pre_norm_block, router
+from .base import (
+    ROUTED,
+    STANDARD,
+    A,
+    Family,
+    M,
+    SameAs,
+    Sum,
+    Unavailable,
+    X,
+    added_times,
+    output,
+    pre_norm_block,
+    router,
+)
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22,

@@ -1,0 +1,386 @@
+"""The values placed where a family has them: the attention's query/key norms, the router's logits, the activation's
+input, and a sandwich block's contributions before the norms after its sublayers.
+
+Ground truth is independent of nnterp: plain PyTorch hooks on the unwrapped HF model, at module paths written here
+from transformers' code, with the per-head layout computed in the test (a ``[b, s, h * d]`` tensor viewed per head, a
+``[b, h, s, d]`` one transposed), and the math (the rotary embedding is the identity at position 0; the router is a
+linear map; the activation module maps its input to ``mlp_activation``; the post-norm maps its input to the
+contribution).
+"""
+
+from __future__ import annotations
+
+import nnsight
+import pytest
+import torch
+import torch.nn.functional as F
+from nnsight.intervention.interleaver import OutOfOrderError
+
+from nnterp import StandardizedTransformer, ValueUnavailable
+from nnterp.families import BY_MODEL_TYPE
+
+from ..conftest import build_tiny, edited_logits, tiny_tokenizer
+from ..hooks import first_calls, logits_with_edit
+
+IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
+QK = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output")
+
+
+def make(model_type, dtype=torch.float32, changes=None, **options):
+    config = BY_MODEL_TYPE[model_type].tiny_config()
+    assert config.model_type == model_type
+    for key, value in (changes or {}).items():
+        setattr(config, key, value)
+    hf = build_tiny(config, dtype)
+    text = config.get_text_config()
+    return StandardizedTransformer(hf, tokenizer=tiny_tokenizer(text.vocab_size), **options), hf, text
+
+
+def blocks(hf, model_type):
+    return hf.get_submodule(BY_MODEL_TYPE[model_type].layers)
+
+
+def width(text):
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+# model type -> (query norm, key norm, the layout the norms read, from transformers' code): "heads" [b, s, h, d],
+# "first" [b, h, s, d], "whole" [b, s, h * d]
+QK_NORMS = {
+    "qwen3": ("q_norm", "k_norm", "heads"),
+    "qwen3_moe": ("q_norm", "k_norm", "heads"),
+    "olmoe": ("q_norm", "k_norm", "whole"),
+    "gemma3_text": ("q_norm", "k_norm", "first"),
+    "gemma3": ("q_norm", "k_norm", "first"),
+    "olmo2": ("q_norm", "k_norm", "whole"),
+    "olmo3": ("q_norm", "k_norm", "whole"),
+    "flex_olmo": ("q_norm", "k_norm", "whole"),
+    "kolibri1": ("q_norm", "k_norm", "first"),
+    "afmoe": ("q_norm", "k_norm", "heads"),
+    "apertus": ("q_norm", "k_norm", "first"),
+    "nanochat": ("q_norm", "k_norm", "first"),
+    "persimmon": ("q_layernorm", "k_layernorm", "heads"),
+}
+
+
+def per_head(tensor, layout, d):
+    """The test's own per-head view ``[b, s, h, d]`` of a tensor in the layout its norm reads."""
+    if layout == "first":
+        return tensor.transpose(1, 2)
+    if layout == "whole":
+        return tensor.reshape(*tensor.shape[:2], -1, d)
+    return tensor
+
+
+def native(tensor, layout, like):
+    """The inverse of ``per_head``: a per-head tensor back in the layout ``like`` has."""
+    if layout == "first":
+        return tensor.transpose(1, 2)
+    if layout == "whole":
+        return tensor.reshape(like.shape)
+    return tensor
+
+
+def read(model, layer, names, run=None):
+    """``{owner.name: tensor}`` of block ``layer`` (of its run ``run`` where it runs more than once), read in
+    forward order in one trace."""
+    order = model.order(layer)
+
+    def value(key):
+        block = model.layers[layer] if run is None else model.layers[layer].run(run)
+        owner, name = key.split(".") if "." in key else (None, key)
+        return getattr(getattr(block, owner) if owner else block, name)
+
+    with torch.no_grad(), model.trace(IDS):
+        saved = nnsight.save({key: value(key) for key in sorted(names, key=lambda k: order[k])})
+        logits = model.logits.save()
+    return saved, logits
+
+
+def hooked_norms(hf, model_type, layer):
+    q, k, _ = QK_NORMS[model_type]
+    attention = blocks(hf, model_type)[layer].self_attn
+    return first_calls(hf, {"query": attention.get_submodule(q), "key": attention.get_submodule(k)}, IDS)
+
+
+# -- 1. the q/k norms' inputs and outputs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("model_type", list(QK_NORMS))
+def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
+    model, hf, text = make(model_type, dtype)
+    layout, d = QK_NORMS[model_type][2], width(text)
+    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    for layer in range(text.num_hidden_layers):
+        saved, logits = read(model, layer, [f"self_attn.{name}" for name in QK])
+        truth = hooked_norms(hf, model_type, layer)
+        for name in QK:
+            which, side = name.split("_norm_")
+            args, out = truth[which]
+            expected = per_head(args[0] if side == "input" else out, layout, d)
+            got = saved[f"self_attn.{name}"]
+            assert got.shape == (*IDS.shape, heads if which == "query" else kv_heads, d), (name, got.shape)
+            assert got.dtype == dtype
+            assert torch.equal(got, expected), (layer, name)
+        # the norm does something: its output is not its input
+        assert not torch.equal(saved["self_attn.query_norm_input"], saved["self_attn.query_norm_output"])
+    with torch.no_grad():
+        assert torch.equal(logits, hf(input_ids=IDS).logits)
+
+
+def rotary_after_norm(model_type, text, layer) -> bool:
+    """Whether the attention turns the normed keys by the rotary embedding (from transformers' code): nanochat norms
+    after the rotary embedding; AfMoE's full-attention layers have none (NoPE)."""
+    if model_type == "nanochat":
+        return False
+    if model_type == "afmoe":
+        return text.layer_types[layer] == "sliding_attention"
+    return True
+
+
+@pytest.mark.parametrize("model_type", list(QK_NORMS))
+def test_keys_at_position_0_are_the_normed_keys(model_type):
+    """At position 0 (cos 1, sin 0) the rotary embedding is the identity, so the keys the scores use are the key
+    norm's output there; elsewhere they are turned, unless no rotary embedding follows the norm."""
+    model, hf, text = make(model_type, attention_values=True)
+    turned = 0
+    for layer in range(text.num_hidden_layers):
+        saved, _ = read(model, layer, ["self_attn.key_norm_output", "self_attn.keys"])
+        keys, normed = saved["self_attn.keys"], saved["self_attn.key_norm_output"]
+        assert torch.equal(keys[:, 0], normed[:, 0]), layer
+        if rotary_after_norm(model_type, text, layer):
+            turned += 1
+            assert not torch.equal(keys[:, 1:], normed[:, 1:]), layer
+        else:  # no rotary embedding between the key norm and the scores: the keys are its output everywhere
+            assert torch.equal(keys, normed), layer
+    assert turned > 0 or model_type == "nanochat"
+
+
+# -- 2. edits of the q/k norms' values reach the logits as a hook's edit does -------------------------------------
+
+
+def head_scale(t):
+    """An edit in the per-head layout: every head scaled by its own factor (head 0 left alone)."""
+    factors = torch.arange(t.shape[-2], dtype=torch.float32) * 0.75 + 1.0
+    return t * factors.to(t.dtype)[:, None]
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["in_place", "assign"])
+@pytest.mark.parametrize("name", ["query_norm_output", "key_norm_input"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "olmo2"])
+def test_qk_norm_edits_reach_the_logits_as_a_hook_edit(model_type, name, assign):
+    model, hf, text = make(model_type)
+    q, k, layout = QK_NORMS[model_type]
+    d, layer = width(text), 1
+    module = blocks(hf, model_type)[layer].self_attn.get_submodule(q if name.startswith("query") else k)
+
+    def hook_edit(t):
+        return native(head_scale(per_head(t, layout, d)), layout, t)
+
+    expected = logits_with_edit(hf, module, "out" if name.endswith("output") else "in", hook_edit, IDS)
+    with torch.no_grad():
+        clean = hf(input_ids=IDS).logits
+    assert not torch.allclose(expected, clean)
+    got = edited_logits(model, IDS, layer, name, "self_attn", head_scale, assign)
+    assert torch.equal(got, expected)
+
+
+# -- 3. router logits -----------------------------------------------------------------------------------------------
+
+# model type -> (the router module in a routed block, the element of its output that is the logits)
+ROUTERS = {
+    "mixtral": ("mlp.gate", 0), "qwen2_moe": ("mlp.gate", 0), "qwen3_moe": ("mlp.gate", 0), "olmoe": ("mlp.gate", 0),
+    "gpt_oss": ("mlp.router", 0), "granitemoe": ("block_sparse_moe.router", 0),
+    "granitemoeshared": ("block_sparse_moe.router", 0), "llama4_text": ("feed_forward.router", 1),
+    "flex_olmo": ("mlp.gate", 0), "kolibri1": ("mlp.gate", 0), "afmoe": ("mlp.router", 0),
+}
+
+
+def linear_of(router):
+    """The router's linear map: its own weight (and bias), or its ``gate`` Linear's (AfMoE)."""
+    linear = router if hasattr(router, "weight") else router.gate
+    return linear.weight, getattr(linear, "bias", None)
+
+
+@pytest.mark.parametrize("model_type", list(ROUTERS))
+def test_router_logits_are_the_router_output_and_its_linear_map(model_type):
+    model, hf, text = make(model_type)
+    path, index = ROUTERS[model_type]
+    routed = 0
+    for layer, block in enumerate(blocks(hf, model_type)):
+        try:
+            router = block.get_submodule(path)
+        except AttributeError:
+            router = None
+        if router is None:  # a dense block of a routed family: nnterp says why there is nothing to read
+            with pytest.raises(ValueUnavailable, match="dense MLP: no router"):
+                with model.trace(IDS):
+                    model.layers[layer].mlp.router_logits.save()
+            continue
+        routed += 1
+        saved, _ = read(model, layer, ["mlp.router_logits"])
+        got = saved["mlp.router_logits"]
+        args, out = first_calls(hf, {"router": router}, IDS)["router"]
+        experts = out[index].shape[-1]
+        assert got.shape == (*IDS.shape, experts)
+        assert torch.equal(got, out[index].reshape(*IDS.shape, experts)), layer
+        weight, bias = linear_of(router)
+        x = args[0].to(torch.float32) if model_type == "kolibri1" else args[0]  # Kolibri-1 routes in float32
+        assert torch.allclose(got, F.linear(x, weight.to(x.dtype), bias).reshape(*IDS.shape, experts),
+                              atol=1e-6, rtol=0), layer
+    assert routed > 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma2"])
+def test_router_logits_unavailable_on_a_dense_family(model_type):
+    model, _, _ = make(model_type)
+    assert "no router" in model.availability(0)["mlp.router_logits"].reason
+    with pytest.raises(ValueUnavailable, match=r"'mlp\.router_logits' is unavailable .*a dense MLP: no router"):
+        with model.trace(IDS):
+            model.layers[0].mlp.router_logits.save()
+
+
+# -- 4. the activation's input -------------------------------------------------------------------------------------
+
+# model type -> (the projection whose output the activation reads, the activation module, chunk of a fused gate_up)
+PRE_ACTIVATION = {
+    "llama": ("mlp.gate_proj", "mlp.act_fn", None),
+    "gpt2": ("mlp.c_fc", "mlp.act", None),
+    "gemma2": ("mlp.gate_proj", "mlp.act_fn", None),
+    "phi3": ("mlp.gate_up_proj", "mlp.activation_fn", 0),  # gate, up = gate_up_proj(x).chunk(2, dim=-1)
+    "gpt_neox": ("mlp.dense_h_to_4h", "mlp.act", None),
+    "falcon": ("mlp.dense_h_to_4h", "mlp.act", None),
+    "bloom": ("mlp.dense_h_to_4h", "mlp.gelu_impl", None),
+    "opt": ("fc1", "activation_fn", None),
+}
+
+
+@pytest.mark.parametrize("model_type, changes", [(t, None) for t in PRE_ACTIVATION]
+                         + [("opt", {"do_layer_norm_before": False})], ids=[*PRE_ACTIVATION, "opt_post_norm"])
+def test_mlp_pre_activation_is_the_projection_feeding_the_activation(model_type, changes):
+    model, hf, text = make(model_type, changes=changes)
+    projection, activation, chunk = PRE_ACTIVATION[model_type]
+    layer = 1
+    block = blocks(hf, model_type)[layer]
+    saved, _ = read(model, layer, ["mlp.mlp_pre_activation", "mlp.mlp_activation"])
+    truth = first_calls(hf, {"projection": block.get_submodule(projection)}, IDS)
+    expected = truth["projection"][1]
+    if chunk is not None:
+        expected = expected.chunk(2, dim=-1)[chunk]
+    got = saved["mlp.mlp_pre_activation"]
+    assert got.shape == (*IDS.shape, expected.shape[-1])
+    assert torch.equal(got, expected.reshape(got.shape))
+    with torch.no_grad():
+        assert torch.equal(block.get_submodule(activation)(got), saved["mlp.mlp_activation"])
+
+
+# -- 5. a sandwich block's contributions before its norms ----------------------------------------------------------
+
+# model type -> (the attention's post-norm, the MLP's post-norm, the attention module, the MLP module, a block factor
+# the block multiplies the normed contributions by), from transformers' code. The module None: what the norm reads is
+# not one module's output (Gemma-4's routed blocks norm the sum of the dense MLP's and the experts' normed outputs).
+SANDWICH = {
+    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "gemma3": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "glm4": ("post_self_attn_layernorm", "post_mlp_layernorm", "self_attn", "mlp", None),
+    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "olmo3": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "flex_olmo": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "kolibri1": ("post_self_attn_layernorm", "post_mlp_layernorm", "self_attn", "mlp", None),
+    "afmoe": ("post_attention_layernorm", "post_mlp_layernorm", "self_attn", "mlp", None),
+    "hyperclovax": ("post_norm1", "post_norm2", "self_attn", "mlp", "residual_multiplier"),
+    "gemma3n_text": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "gemma4_text": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", None, None),
+    "beam": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "dory": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "lfm3": ("post_operator_norm", "post_ffn_norm", None, "feed_forward", None),
+}
+
+
+@pytest.mark.parametrize("model_type", list(SANDWICH))
+def test_contributions_before_the_norms_are_the_sublayer_outputs(model_type):
+    model, hf, text = make(model_type)
+    attn_norm, mlp_norm, attn, mlp, factor = SANDWICH[model_type]
+    names = ["self_attn.attention_output_before_norm", "self_attn.attention_output", "mlp.mlp_output_before_norm",
+             "mlp.mlp_output"]
+    checked = 0
+    schedule = BY_MODEL_TYPE[model_type].schedule
+    calls = list(schedule(text)) if schedule else None
+    for layer, block in enumerate(blocks(hf, model_type)):
+        info = model.availability(layer)
+        here = [n for n in names if info[n].available]
+        # a block that runs several times (Dory's looped section): its first run, as the hooks' first call
+        saved, _ = read(model, layer, here, run=0 if calls and calls.count(layer) > 1 else None)
+        modules = {f"{which}_{kind}": block.get_submodule(path)
+                   for which, norm, sub in (("attention", attn_norm, attn), ("mlp", mlp_norm, mlp))
+                   for kind, path in (("norm", norm), ("module", sub)) if path and hasattr(block, path.split(".")[0])}
+        truth = first_calls(hf, modules, IDS)
+        for which, owner in (("attention", "self_attn"), ("mlp", "mlp")):
+            if f"{owner}.{which}_output_before_norm" not in here or f"{which}_norm" not in truth:
+                continue
+            checked += 1
+            before = saved[f"{owner}.{which}_output_before_norm"]
+            norm_args, norm_out = truth[f"{which}_norm"]
+            assert torch.equal(before, norm_args[0]), (layer, which)
+            if f"{which}_module" in truth:  # what the norm reads is the sublayer's own output
+                assert torch.equal(before, truth[f"{which}_module"][1][0] if isinstance(
+                    truth[f"{which}_module"][1], tuple) else truth[f"{which}_module"][1]), (layer, which)
+            with torch.no_grad():
+                normed = modules[f"{which}_norm"](before)
+            assert torch.equal(normed, norm_out)
+            scale = getattr(block, factor) if factor else None
+            contribution = saved[f"{owner}.{which}_output"]
+            assert torch.equal(contribution, normed if scale is None else normed * scale), (layer, which)
+            assert not torch.equal(before, contribution)
+    assert checked > 0
+
+
+def test_contributions_before_the_norms_are_the_contributions_without_sandwich():
+    model, hf, text = make("llama")
+    layer = 1
+    block = blocks(hf, "llama")[layer]
+    names = ["self_attn.attention_output_before_norm", "self_attn.attention_output", "mlp.mlp_output_before_norm",
+             "mlp.mlp_output"]
+    saved, _ = read(model, layer, names)
+    truth = first_calls(hf, {"attention": block.self_attn, "mlp": block.mlp}, IDS)
+    assert torch.equal(saved["self_attn.attention_output_before_norm"], truth["attention"][1][0])
+    assert torch.equal(saved["mlp.mlp_output_before_norm"], truth["mlp"][1])
+    assert torch.equal(saved["self_attn.attention_output_before_norm"], saved["self_attn.attention_output"])
+    assert torch.equal(saved["mlp.mlp_output_before_norm"], saved["mlp.mlp_output"])
+
+
+# -- 6. defaults and order -----------------------------------------------------------------------------------------
+
+
+def test_qk_norm_values_unavailable_without_qk_norms():
+    model, _, _ = make("llama")
+    info = model.availability(0)
+    for name in QK:
+        assert not info[f"self_attn.{name}"].available
+        assert "no query or key norm" in info[f"self_attn.{name}"].reason
+    with pytest.raises(ValueUnavailable, match=r"'self_attn\.query_norm_input' is unavailable .*no query or key norm"):
+        with model.trace(IDS):
+            model.layers[0].self_attn.query_norm_input.save()
+    assert not any(name in key for key in model.order(0) for name in QK)
+
+
+def test_order_lists_the_new_values_in_forward_order():
+    model, _, _ = make("qwen3_moe")
+    # Qwen3-MoE's tiny config: block 1 is routed (decoder_sparse_step=2)
+    order = model.order(1)
+    q_in, q_out, k_in, k_out = (order[f"self_attn.{name}"] for name in QK)
+    assert q_in < q_out < order["self_attn.attention_premix"]
+    assert k_in < k_out < order["self_attn.attention_premix"]
+    assert order["mlp_input"] < order["mlp.router_logits"] < order["mlp.mlp_output"]
+    dense = model.order(0)
+    assert dense["mlp.mlp_pre_activation"] < dense["mlp.mlp_activation"] < dense["mlp.mlp_neurons"]
+    assert "mlp.router_logits" not in dense
+    # a read in that order works in one trace, the reverse raises nnsight's out-of-order error
+    saved, _ = read(model, 1, ["self_attn.query_norm_output", "mlp.router_logits"])
+    assert set(saved) == {"self_attn.query_norm_output", "mlp.router_logits"}
+    with pytest.raises(OutOfOrderError):
+        with torch.no_grad(), model.trace(IDS):
+            nnsight.save(model.layers[1].mlp.router_logits)
+            nnsight.save(model.layers[1].self_attn.query_norm_output)
