@@ -14,6 +14,7 @@ import nnsight
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from nnterp import StandardizedTransformer, ValueUnavailable
@@ -26,8 +27,17 @@ IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]])
 QK = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output")
 
 
+# types filed under a family whose tiny config is another type's: their own tiny config
+OWN_CONFIGS = {
+    "exaone4": lambda: transformers.Exaone4Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+}
+
+
 def make(model_type, dtype=torch.float32, changes=None, **options):
-    config = BY_MODEL_TYPE[model_type].tiny_config()
+    config = (OWN_CONFIGS.get(model_type) or BY_MODEL_TYPE[model_type].tiny_config)()
     assert config.model_type == model_type
     for key, value in (changes or {}).items():
         setattr(config, key, value)
@@ -54,6 +64,7 @@ QK_NORMS = {
     "gemma3": ("q_norm", "k_norm", "first"),
     "olmo2": ("q_norm", "k_norm", "whole"),
     "olmo3": ("q_norm", "k_norm", "whole"),
+    "exaone4": ("q_norm", "k_norm", "first"),
     "flex_olmo": ("q_norm", "k_norm", "whole"),
     "kolibri1": ("q_norm", "k_norm", "first"),
     "afmoe": ("q_norm", "k_norm", "heads"),
@@ -134,7 +145,7 @@ def rotary_after_norm(model_type, text, layer) -> bool:
     after the rotary embedding; AfMoE's full-attention layers have none (NoPE)."""
     if model_type == "nanochat":
         return False
-    if model_type == "afmoe":
+    if model_type in ("afmoe", "exaone4"):  # EXAONE-4: none on its full-attention layers where it has sliding ones
         return text.layer_types[layer] == "sliding_attention"
     return True
 
