@@ -14,7 +14,7 @@ import math
 import torch
 import transformers
 
-from .base import ROUTED, Block, Custom, Family, output, pre_norm_block
+from .base import ROUTED, Block, Custom, Family, output, pre_norm_block, qk_norms
 
 
 def _add(branch, stream, k):
@@ -30,6 +30,7 @@ def _block(config, i):
         post_norm="pre_feedforward_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
         **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if routed else {}),
+        **qk_norms(),  # each head's queries and keys, [batch, seq, heads, head_dim], before the rotary embedding
     )
     return Block(
         values=base.values,

@@ -71,6 +71,10 @@ QK_NORMS = {
     "apertus": ("q_norm", "k_norm", "first"),
     "nanochat": ("q_norm", "k_norm", "first"),
     "persimmon": ("q_layernorm", "k_layernorm", "heads"),
+    "beam": ("q_norm", "k_norm", "heads"),
+    "doge": ("q_norm", "k_norm", "heads"),
+    "inkling_text": ("q_norm", "k_norm", "heads"),
+    "dory": ("q_norm", "k_norm", "heads"),
 }
 
 
@@ -92,10 +96,13 @@ def native(tensor, layout, like):
     return tensor
 
 
-def read(model, layer, names, run=None):
-    """``{owner.name: tensor}`` of block ``layer`` (of its run ``run`` where it runs more than once), read in
-    forward order in one trace."""
+def read(model, layer, names):
+    """``{owner.name: tensor}`` of block ``layer`` (of its first run, where it runs more than once: Dory's looped
+    section, as a hook's first call), read in forward order in one trace."""
     order = model.order(layer)
+    schedule = model.family.schedule
+    calls = list(schedule(model._module.config.get_text_config())) if schedule else []
+    run = 0 if calls.count(layer) > 1 else None
 
     def value(key):
         block = model.layers[layer] if run is None else model.layers[layer].run(run)
@@ -122,7 +129,6 @@ def hooked_norms(hf, model_type, layer):
 def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
     model, hf, text = make(model_type, dtype)
     layout, d = QK_NORMS[model_type][2], width(text)
-    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     for layer in range(text.num_hidden_layers):
         saved, logits = read(model, layer, [f"self_attn.{name}" for name in QK])
         truth = hooked_norms(hf, model_type, layer)
@@ -131,7 +137,7 @@ def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
             args, out = truth[which]
             expected = per_head(args[0] if side == "input" else out, layout, d)
             got = saved[f"self_attn.{name}"]
-            assert got.shape == (*IDS.shape, heads if which == "query" else kv_heads, d), (name, got.shape)
+            assert got.shape == (*IDS.shape, expected.shape[2], d), (name, got.shape)
             assert got.dtype == dtype
             assert torch.equal(got, expected), (layer, name)
         # the norm does something: its output is not its input
@@ -142,10 +148,11 @@ def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
 
 def rotary_after_norm(model_type, text, layer) -> bool:
     """Whether the attention turns the normed keys by the rotary embedding (from transformers' code): nanochat norms
-    after the rotary embedding; AfMoE's full-attention layers have none (NoPE)."""
-    if model_type == "nanochat":
+    after the rotary embedding; Inkling has none (a learned relative position bias instead); AfMoE's and Beam's
+    full-attention layers have none (NoPE)."""
+    if model_type in ("nanochat", "inkling_text"):
         return False
-    if model_type in ("afmoe", "exaone4"):  # EXAONE-4: none on its full-attention layers where it has sliding ones
+    if model_type in ("afmoe", "exaone4", "beam"):  # EXAONE-4: none on its full-attention layers where it has sliding ones
         return text.layer_types[layer] == "sliding_attention"
     return True
 
@@ -165,7 +172,7 @@ def test_keys_at_position_0_are_the_normed_keys(model_type):
             assert not torch.equal(keys[:, 1:], normed[:, 1:]), layer
         else:  # no rotary embedding between the key norm and the scores: the keys are its output everywhere
             assert torch.equal(keys, normed), layer
-    assert turned > 0 or model_type == "nanochat"
+    assert turned > 0 or model_type in ("nanochat", "inkling_text")
 
 
 # -- 2. edits of the q/k norms' values reach the logits as a hook's edit does -------------------------------------
@@ -317,13 +324,10 @@ def test_contributions_before_the_norms_are_the_sublayer_outputs(model_type):
     names = ["self_attn.attention_output_before_norm", "self_attn.attention_output", "mlp.mlp_output_before_norm",
              "mlp.mlp_output"]
     checked = 0
-    schedule = BY_MODEL_TYPE[model_type].schedule
-    calls = list(schedule(text)) if schedule else None
     for layer, block in enumerate(blocks(hf, model_type)):
         info = model.availability(layer)
         here = [n for n in names if info[n].available]
-        # a block that runs several times (Dory's looped section): its first run, as the hooks' first call
-        saved, _ = read(model, layer, here, run=0 if calls and calls.count(layer) > 1 else None)
+        saved, _ = read(model, layer, here)
         modules = {f"{which}_{kind}": block.get_submodule(path)
                    for which, norm, sub in (("attention", attn_norm, attn), ("mlp", mlp_norm, mlp))
                    for kind, path in (("norm", norm), ("module", sub)) if path and hasattr(block, path.split(".")[0])}
