@@ -75,6 +75,9 @@ QK_NORMS = {
     "doge": ("q_norm", "k_norm", "heads"),
     "inkling_text": ("q_norm", "k_norm", "heads"),
     "dory": ("q_norm", "k_norm", "heads"),
+    "gemma3n_text": ("q_norm", "k_norm", "heads"),
+    "gemma4_text": ("q_norm", "k_norm", "heads"),
+    "gemma4": ("q_norm", "k_norm", "heads"),
 }
 
 
@@ -116,9 +119,12 @@ def read(model, layer, names):
 
 
 def hooked_norms(hf, model_type, layer):
+    """The first call of block ``layer``'s query and key norms (``(args, output)``); the key norm left out where the
+    attention has none (a layer reusing an earlier layer's keys: Gemma-3n, Gemma-4)."""
     q, k, _ = QK_NORMS[model_type]
     attention = blocks(hf, model_type)[layer].self_attn
-    return first_calls(hf, {"query": attention.get_submodule(q), "key": attention.get_submodule(k)}, IDS)
+    modules = {"query": attention.get_submodule(q), **({"key": getattr(attention, k)} if hasattr(attention, k) else {})}
+    return first_calls(hf, modules, IDS)
 
 
 # -- 1. the q/k norms' inputs and outputs --------------------------------------------------------------------------
@@ -130,9 +136,13 @@ def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
     model, hf, text = make(model_type, dtype)
     layout, d = QK_NORMS[model_type][2], width(text)
     for layer in range(text.num_hidden_layers):
-        saved, logits = read(model, layer, [f"self_attn.{name}" for name in QK])
         truth = hooked_norms(hf, model_type, layer)
-        for name in QK:
+        here = [name for name in QK if name.split("_")[0] in truth]
+        if "key" not in truth:  # no key norm on this layer: nnterp says why
+            for name in ("key_norm_input", "key_norm_output"):
+                assert "reuses the keys of an earlier layer" in model.availability(layer)[f"self_attn.{name}"].reason
+        saved, logits = read(model, layer, [f"self_attn.{name}" for name in here])
+        for name in here:
             which, side = name.split("_norm_")
             args, out = truth[which]
             expected = per_head(args[0] if side == "input" else out, layout, d)
@@ -164,6 +174,9 @@ def test_keys_at_position_0_are_the_normed_keys(model_type):
     model, hf, text = make(model_type, attention_values=True)
     turned = 0
     for layer in range(text.num_hidden_layers):
+        if not model.availability(layer)["self_attn.key_norm_output"].available:
+            assert "key" not in hooked_norms(hf, model_type, layer)  # a layer reusing earlier keys
+            continue
         saved, _ = read(model, layer, ["self_attn.key_norm_output", "self_attn.keys"])
         keys, normed = saved["self_attn.keys"], saved["self_attn.key_norm_output"]
         assert torch.equal(keys[:, 0], normed[:, 0]), layer
