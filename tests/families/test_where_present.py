@@ -78,6 +78,15 @@ QK_NORMS = {
     "gemma3n_text": ("q_norm", "k_norm", "heads"),
     "gemma4_text": ("q_norm", "k_norm", "heads"),
     "gemma4": ("q_norm", "k_norm", "heads"),
+    # hybrids: on their attention blocks
+    "lfm2": ("q_layernorm", "k_layernorm", "heads"),
+    "lfm2_moe": ("q_layernorm", "k_layernorm", "heads"),
+    "lfm3": ("q_norm", "k_norm", "heads"),
+    "lara_mini": ("q_norm", "k_norm", "heads"),
+    "qwen3_5_text": ("q_norm", "k_norm", "heads"),
+    "qwen3_5_moe_text": ("q_norm", "k_norm", "heads"),
+    "qwen3_next": ("q_norm", "k_norm", "heads"),
+    "olmo_hybrid": ("q_norm", "k_norm", "whole"),
 }
 
 
@@ -118,6 +127,19 @@ def read(model, layer, names):
     return saved, logits
 
 
+def attention_layers(model, hf, model_type, text):
+    """The blocks that have an attention (a hybrid's others mix tokens otherwise: nnterp says so for their q/k
+    norms' values)."""
+    layers = []
+    for layer, block in enumerate(blocks(hf, model_type)):
+        if hasattr(block, "self_attn"):
+            layers.append(layer)
+        else:
+            assert "not attention" in model.availability(layer)["self_attn.query_norm_output"].reason
+    assert layers
+    return layers
+
+
 def hooked_norms(hf, model_type, layer):
     """The first call of block ``layer``'s query and key norms (``(args, output)``); the key norm left out where the
     attention has none (a layer reusing an earlier layer's keys: Gemma-3n, Gemma-4)."""
@@ -135,7 +157,7 @@ def hooked_norms(hf, model_type, layer):
 def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
     model, hf, text = make(model_type, dtype)
     layout, d = QK_NORMS[model_type][2], width(text)
-    for layer in range(text.num_hidden_layers):
+    for layer in attention_layers(model, hf, model_type, text):
         truth = hooked_norms(hf, model_type, layer)
         here = [name for name in QK if name.split("_")[0] in truth]
         if "key" not in truth:  # no key norm on this layer: nnterp says why
@@ -158,11 +180,11 @@ def test_qk_norms_are_the_norm_modules_inputs_and_outputs(model_type, dtype):
 
 def rotary_after_norm(model_type, text, layer) -> bool:
     """Whether the attention turns the normed keys by the rotary embedding (from transformers' code): nanochat norms
-    after the rotary embedding; Inkling has none (a learned relative position bias instead); AfMoE's and Beam's
-    full-attention layers have none (NoPE)."""
+    after the rotary embedding; Inkling has none (a learned relative position bias instead); AfMoE's, Beam's and
+    Lara-Mini's full-attention layers have none (NoPE)."""
     if model_type in ("nanochat", "inkling_text"):
         return False
-    if model_type in ("afmoe", "exaone4", "beam"):  # EXAONE-4: none on its full-attention layers where it has sliding ones
+    if model_type in ("afmoe", "exaone4", "beam", "lara_mini"):  # EXAONE-4: none on its full-attention layers where it has sliding ones
         return text.layer_types[layer] == "sliding_attention"
     return True
 
@@ -173,7 +195,7 @@ def test_keys_at_position_0_are_the_normed_keys(model_type):
     norm's output there; elsewhere they are turned, unless no rotary embedding follows the norm."""
     model, hf, text = make(model_type, attention_values=True)
     turned = 0
-    for layer in range(text.num_hidden_layers):
+    for layer in attention_layers(model, hf, model_type, text):
         if not model.availability(layer)["self_attn.key_norm_output"].available:
             assert "key" not in hooked_norms(hf, model_type, layer)  # a layer reusing earlier keys
             continue
