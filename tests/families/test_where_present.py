@@ -87,6 +87,10 @@ QK_NORMS = {
     "qwen3_5_moe_text": ("q_norm", "k_norm", "heads"),
     "qwen3_next": ("q_norm", "k_norm", "heads"),
     "olmo_hybrid": ("q_norm", "k_norm", "whole"),
+    "qwen4_exp_text": ("q_norm", "k_norm", "heads"),
+    # the blocks of another family in a multimodal class (Qwen3's, Persimmon's)
+    "moss_transcribe_diarize": ("q_norm", "k_norm", "heads"),
+    "fuyu": ("q_layernorm", "k_layernorm", "heads"),
 }
 
 
