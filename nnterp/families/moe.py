@@ -27,7 +27,7 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_at
 
 # the router whose first output is the logits, per type (the other types filed here have theirs unplaced)
 ROUTERS = {"mixtral": "mlp.gate", "qwen2_moe": "mlp.gate", "qwen3_moe": "mlp.gate", "olmoe": "mlp.gate",
-           "gpt_oss": "mlp.router"}
+           "gpt_oss": "mlp.router", "deepseek_v3": "mlp.gate"}
 
 
 def _block(is_routed, qk_norm=None):

@@ -251,12 +251,20 @@ ROUTERS = {
     "gpt_oss": ("mlp.router", 0), "granitemoe": ("block_sparse_moe.router", 0),
     "granitemoeshared": ("block_sparse_moe.router", 0), "llama4_text": ("feed_forward.router", 1),
     "flex_olmo": ("mlp.gate", 0), "kolibri1": ("mlp.gate", 0), "afmoe": ("mlp.router", 0),
+    "deepseek_v3": ("mlp.gate", 0), "cohere2_moe": ("mlp.gate", 0), "minimax": ("mlp.gate", 0),
+    "dbrx": ("ffn.router", None),  # returns the logits alone
+    "beam": ("mlp.gate", 0), "qwen4_exp_text": ("mlp.gate", 0),
+    # hybrids' routed blocks
+    "jamba": ("feed_forward.router", 0), "granitemoehybrid": ("block_sparse_moe.router", 0),
+    "qwen3_next": ("mlp.gate", 0), "qwen3_5_moe_text": ("mlp.gate", 0), "lara_mini": ("mlp.gate", 0),
+    "lfm2_moe": ("feed_forward.gate", 0), "kimi_linear": ("mlp.gate", 0), "bailing_hybrid": ("mlp.gate", 0),
 }
 
 
 def linear_of(router):
-    """The router's linear map: its own weight (and bias), or its ``gate`` Linear's (AfMoE)."""
-    linear = router if hasattr(router, "weight") else router.gate
+    """The router's linear map: its own weight (and bias), or its ``gate`` Linear's (AfMoE), or its ``layer``
+    Linear's (DBRX)."""
+    linear = router if hasattr(router, "weight") else getattr(router, "gate", None) or router.layer
     return linear.weight, getattr(linear, "bias", None)
 
 
@@ -279,11 +287,12 @@ def test_router_logits_are_the_router_output_and_its_linear_map(model_type):
         saved, _ = read(model, layer, ["mlp.router_logits"])
         got = saved["mlp.router_logits"]
         args, out = first_calls(hf, {"router": router}, IDS)["router"]
-        experts = out[index].shape[-1]
+        logits = out if index is None else out[index]
+        experts = logits.shape[-1]
         assert got.shape == (*IDS.shape, experts)
-        assert torch.equal(got, out[index].reshape(*IDS.shape, experts)), layer
+        assert torch.equal(got, logits.reshape(*IDS.shape, experts)), layer
         weight, bias = linear_of(router)
-        x = args[0].to(torch.float32) if model_type == "kolibri1" else args[0]  # Kolibri-1 routes in float32
+        x = args[0]
         assert torch.allclose(got, F.linear(x, weight.to(x.dtype), bias).reshape(*IDS.shape, experts),
                               atol=1e-6, rtol=0), layer
     assert routed > 0
