@@ -28,7 +28,13 @@ QK = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_outpu
 
 
 # types filed under a family whose tiny config is another type's: their own tiny config
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=128, max_position_embeddings=64, num_experts=4, num_local_experts=4,
+              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
 OWN_CONFIGS = {
+    **{model_type: (lambda model_type=model_type: transformers.AutoConfig.for_model(model_type, **_SMALL))
+       for model_type in ("flint", "hy_v3", "laguna", "mellum", "minimax_m2", "minimax_m3_vl_text", "exaone_moe")},
     "exaone4": lambda: transformers.Exaone4Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, sliding_window=4,
@@ -91,6 +97,14 @@ QK_NORMS = {
     # the blocks of another family in a multimodal class (Qwen3's, Persimmon's)
     "moss_transcribe_diarize": ("q_norm", "k_norm", "heads"),
     "fuyu": ("q_layernorm", "k_layernorm", "heads"),
+    # types filed under Qwen2-MoE, Mixtral and DeepSeek-V3, on their own tiny configs
+    "flint": ("q_norm", "k_norm", "heads"),
+    "hy_v3": ("q_norm", "k_norm", "first"),
+    "laguna": ("q_norm", "k_norm", "heads"),
+    "mellum": ("q_norm", "k_norm", "heads"),
+    "minimax_m2": ("q_norm", "k_norm", "whole"),
+    "minimax_m3_vl_text": ("q_norm", "k_norm", "heads"),
+    "exaone_moe": ("q_norm", "k_norm", "first"),
 }
 
 
@@ -193,7 +207,13 @@ def rotary_after_norm(model_type, text, layer) -> bool:
     return True
 
 
-@pytest.mark.parametrize("model_type", list(QK_NORMS))
+# left out: the types whose keys nnterp does not read (the attention internals unavailable on their spec: Flint's
+# eager attention has sinks where Qwen2-MoE's has none; Laguna gates each head's output, so the proof cannot check
+# the probabilities against attention_premix)
+NO_KEYS = ("flint", "laguna")
+
+
+@pytest.mark.parametrize("model_type", [t for t in QK_NORMS if t not in NO_KEYS])
 def test_keys_at_position_0_are_the_normed_keys(model_type):
     """At position 0 (cos 1, sin 0) the rotary embedding is the identity, so the keys the scores use are the key
     norm's output there; elsewhere they are turned, unless no rotary embedding follows the norm."""
