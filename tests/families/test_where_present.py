@@ -381,7 +381,11 @@ SANDWICH = {
     "gemma4_text": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", None, None),
     "beam": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
     "dory": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
-    "lfm3": ("post_operator_norm", "post_ffn_norm", None, "feed_forward", None),
+    "lfm3": ("post_operator_norm", "post_ffn_norm", "self_attn", "feed_forward", None),
+    "olmo_hybrid": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "exaone4": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", "mlp", None),
+    "gemma4": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", None, None),
+    "gemma4_unified_text": ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn", None, None),
 }
 
 
