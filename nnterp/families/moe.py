@@ -110,7 +110,8 @@ JETMOE = Family(
     name="JetMoE", model_types=("jetmoe",), attention="self_attention",
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attention", o_proj="", post_norm="post_attention_layernorm",
-        mlp="mlp", act="", down_proj="", attention_premix=_SLOTS_MIXED, mlp_activation=ROUTED, mlp_neurons=ROUTED),
+        mlp="mlp", act="", down_proj="", attention_premix=_SLOTS_MIXED, mlp_activation=ROUTED, mlp_neurons=ROUTED,
+        **router("mlp.router", index=4)),  # (index_sorted_experts, batch_index, batch_gates, expert_size, logits)
     attention_internals=STANDARD,
     tiny_config=lambda: transformers.JetMoeConfig(
         hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16, intermediate_size=64,
