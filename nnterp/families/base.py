@@ -380,6 +380,17 @@ def qk_norms(attention: str = "self_attn", q: str = "q_norm", k: str = "k_norm",
             for which, module in (("query", q), ("key", k)) for side in ("input", "output")}
 
 
+def shared_kv_qk_norms(config: PretrainedConfig, i: int) -> dict[str, Location]:
+    """The q/k norms of a family whose layers ``kv_sharing_modes[i] == "reuse"`` take the keys of an earlier layer
+    (Gemma-3n, Gemma-4), each head's ``[batch, seq, heads, head_dim]``: on those layers the key norm is not run."""
+    norms: dict[str, Location] = dict(qk_norms())
+    if config.kv_sharing_modes[i] == "reuse":
+        why = Unavailable("this layer reuses the keys of an earlier layer (kv_sharing_modes 'reuse'): it has no key "
+                          "projection or key norm of its own")
+        norms |= {"key_norm_input": why, "key_norm_output": why}
+    return norms
+
+
 def router(path: str, op: str = "F_linear_0") -> dict[str, At]:
     """A routed mixture's router logits, over the tokens flattened or not: the output of the operation ``op`` of its
     router's forward (``path``) that computes them, before the router chooses from them, so an edit of them reaches
@@ -431,4 +442,4 @@ ROUTED = Unavailable(
 )
 
 
-__all__ = ["qk_norms", "router", "head_dim", "OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]
+__all__ = ["qk_norms", "shared_kv_qk_norms", "router", "head_dim", "OWN_ATTENTION", "STANDARD", "native", "Sum", "PostNorm", "Custom", "X", "A", "M", "SEQUENTIAL", "post_norm_block", "WITH_SINKS", "EagerAttention", "Block", "Family", "pre_norm_block", "parallel_block", "PARALLEL_NO_MID", "ROUTED", "At", "SameAs", "Unavailable", "input", "output"]

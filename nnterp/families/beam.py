@@ -14,7 +14,7 @@ import math
 import torch
 import transformers
 
-from .base import ROUTED, Block, Custom, Family, output, pre_norm_block
+from .base import ROUTED, Block, Custom, Family, output, pre_norm_block, qk_norms, router
 
 
 def _add(branch, stream, k):
@@ -29,7 +29,8 @@ def _block(config, i):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="pre_feedforward_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
-        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if routed else {}),
+        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED, **router("mlp.gate")} if routed else {}),
+        **qk_norms(),  # each head's queries and keys, [batch, seq, heads, head_dim], before the rotary embedding
     )
     return Block(
         values=base.values,

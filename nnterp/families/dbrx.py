@@ -9,7 +9,7 @@ attention's add (``layer_mid``, also ``norm_2``'s input) and the MLP's input. Th
 
 import transformers
 
-from .base import ROUTED, A, Family, M, Sum, X, pre_norm_block
+from .base import ROUTED, A, Family, M, Sum, X, pre_norm_block, router
 
 DBRX = Family(
     name="DBRX", model_types=("dbrx",), layers="transformer.blocks", embed_tokens="transformer.wte",
@@ -17,7 +17,7 @@ DBRX = Family(
     block=lambda config, i: pre_norm_block(
         input_norm="norm_attn_norm.norm_1", attention="norm_attn_norm.attn", o_proj="norm_attn_norm.attn.out_proj",
         post_norm="norm_attn_norm.norm_2", mlp="ffn", act="", down_proj="", mlp_activation=ROUTED,
-        mlp_neurons=ROUTED, identity=Sum((A + X) + M)),
+        mlp_neurons=ROUTED, identity=Sum((A + X) + M), **router("ffn.router.layer", op="")),  # its linear layer computes the logits
     # checkpoints set clip_qkv and attn_config.rope_theta (the attention reads it), which the default leaves out
     tiny_config=lambda: transformers.DbrxConfig(
         d_model=64, n_heads=4, n_layers=3, max_seq_len=64, vocab_size=128,

@@ -24,7 +24,7 @@ from ``norm(stream) + norm(input section's output)``, so a loop's first block re
 import transformers
 
 from ..spec.identity import Custom
-from .base import Block, Family, input, native, output
+from .base import Block, Family, input, native, output, qk_norms
 
 FORMULA = ("layer_output = n2 + |λ2·s|·(mlp_output - n2), n2 = norm(layer_mid), "
            "layer_mid = n1 + |λ1·s|·(attention_output - n1), n1 = norm(layer_input) "
@@ -57,6 +57,8 @@ def _dory_block(config, i):
             "mlp_neurons": input("mlp.down_proj"),
             "mlp_output": output("post_feedforward_layernorm"),
             "layer_output": output(""),
+            # each head's queries and keys L2-normalised, [batch, seq, heads, head_dim]
+            **qk_norms(),
         },
         identity=Custom(FORMULA, lambda t, block: _interpolated(block, t), mid=_mid, reads=("layer_input", "attention_output", "mlp_output")),
     )

@@ -13,7 +13,7 @@ raw sublayer outputs. The stream is float32 whatever the weights' dtype; the blo
 
 import transformers
 
-from .base import ROUTED, A, Custom, Family, M, Sum, X, output, pre_norm_block
+from .base import ROUTED, A, Custom, Family, M, Sum, X, output, pre_norm_block, qk_norms
 
 _SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=64)
@@ -25,6 +25,7 @@ def _doge_block(config, i):
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
         identity=Sum("post_attention_residual" * ("input_residual" * X + A) + M),
         **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if config.is_moe else {}),
+        **qk_norms(),  # each head's queries and keys, [batch, seq, heads, head_dim], before the rotary embedding
     )
 
 

@@ -33,7 +33,7 @@ import transformers
 
 from ..spec.errors import NNterpError
 from ..spec.identity import Custom
-from .base import STANDARD, Block, Family, input, output, pre_norm_block, softcap_logits
+from .base import STANDARD, Block, Family, input, output, pre_norm_block, shared_kv_qk_norms, softcap_logits
 
 FORMULA = ("layer_output = P + (((P[0] + attention_output) + laurel) / sqrt(2) + mlp_output - P[0]) * (C + 1), "
            "then + per_layer on every stream but the first, where P = layer_input + layer_input @ A "
@@ -69,6 +69,7 @@ def _block(config, i):
         layer_input=input("", arg=0, **STREAM), layer_output=output("", **STREAM),
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
         **(_REUSED if config.kv_sharing_modes[i] == "reuse" else {}),
+        **shared_kv_qk_norms(config, i),
     )
     return Block(
         values=base.values,

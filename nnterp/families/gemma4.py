@@ -20,7 +20,7 @@ import dataclasses
 import transformers
 
 from ..spec.identity import A, M, Name, Sum, X
-from .base import ROUTED, Block, Family, output, pre_norm_block, softcap_logits
+from .base import ROUTED, Block, Family, output, pre_norm_block, shared_kv_qk_norms, softcap_logits
 
 
 def _block(config, i):
@@ -31,6 +31,7 @@ def _block(config, i):
         post_norm="pre_feedforward_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
         **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if moe else {}),
+        **shared_kv_qk_norms(config, i),
     )
     stream = (X + A) + M
     return Block(

@@ -35,7 +35,19 @@ import transformers
 
 from ..spec.catalog import ATTENTION_VALUES
 from ..spec.identity import A, M, Sum, X
-from .base import ROUTED, Block, Family, SameAs, Unavailable, added_times, output, pre_norm_block, stream_and_none
+from .base import (
+    ROUTED,
+    Block,
+    Family,
+    SameAs,
+    Unavailable,
+    added_times,
+    output,
+    pre_norm_block,
+    qk_norms,
+    router,
+    stream_and_none,
+)
 from .moe import routed_layer
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -60,15 +72,17 @@ def mixer_block(base: Block, layer: int, mixer: str, kind: str) -> Block:
 
 
 def _hybrid(*, mixer: str, kind: str, is_routed=lambda config, i: False, o_proj="self_attn.o_proj",
-            attention_block=None, **modules):
+            attention_block=None, attention_values=None, router_path=None, **modules):
     """A block function: ``pre_norm_block(**modules)`` around attention (or ``attention_block``) or around
-    ``mixer``, layer by layer."""
+    ``mixer``, layer by layer. ``attention_values``: values placed on the attention blocks alone (their q/k
+    norms). ``router_path``: the router of a routed block, whose first output is its logits."""
     def block(config, i):
-        values = {**modules, **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {})}
+        routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED, **(router(router_path) if router_path else {})}
+        values = {**modules, **(routed if is_routed(config, i) else {})}
         if is_attention(config, i):
             if attention_block:
                 return attention_block(config, i)
-            return pre_norm_block(attention="self_attn", o_proj=o_proj, **values)
+            return pre_norm_block(attention="self_attn", o_proj=o_proj, **values, **(attention_values or {}))
         return mixer_block(pre_norm_block(attention=mixer, o_proj="", **values), i, mixer, kind)
     return block
 
@@ -90,7 +104,7 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_
 JAMBA = Family(
     name="Jamba", model_types=("jamba",), **_FEED_FORWARD,
     block=_hybrid(mixer="mamba", kind="a Mamba layer", is_routed=lambda config, i: config.layers_num_experts[i] > 1,
-                  **_JAMBA_MODULES),
+                  router_path="feed_forward.router", **_JAMBA_MODULES),
     # blocks 0 and 2 Mamba with experts, 1 attention, 3 Mamba
     tiny_config=lambda: transformers.JambaConfig(
         **_SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
@@ -114,6 +128,7 @@ def _granite_block(config, i):
     experts = config.num_local_experts > 0
     return added_times(_hybrid(
         mixer="mamba", kind="a Mamba-2 layer", is_routed=lambda config, i: experts, input_norm="input_layernorm",
+        router_path="block_sparse_moe.router",
         post_norm="post_attention_layernorm", mlp="shared_mlp", act="shared_mlp.activation",
         down_proj="shared_mlp.output_linear", identity=_GRANITE,
         mlp_input=SameAs("mlp_norm_output"),  # both the experts and the shared MLP are called with it
@@ -144,8 +159,11 @@ def _deltanet(name, model_types, is_routed, tiny_config, gated=_GATED):
     return Family(
         name=name, model_types=model_types,
         block=_hybrid(mixer="linear_attn", kind="a Gated DeltaNet linear attention", is_routed=is_routed,
-                      input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp",
-                      act="mlp.act_fn", down_proj="mlp.down_proj"),
+                      router_path="mlp.gate", input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp",
+                      act="mlp.act_fn", down_proj="mlp.down_proj",
+                      # each head's queries (the q_proj half that is not the gate) and keys, [batch, seq, heads,
+                      # head_dim], before the rotary embedding
+                      attention_values=qk_norms()),
         premix_is_not_mixed_values=gated, tiny_config=tiny_config,
     )
 
@@ -178,14 +196,18 @@ OLMO_HYBRID = Family(
 _LFM2 = Sum((A + X) + M)
 
 
-def _lfm(name, model_type, tiny_config, is_routed=_never, o_proj="self_attn.out_proj", gated=None, **overrides):
+def _lfm(name, model_type, tiny_config, is_routed=_never, o_proj="self_attn.out_proj", gated=None, qk=("q_layernorm", "k_layernorm"),
+         **overrides):
     """LFM2 and its kin: a short convolution or attention after operator_norm, feed_forward after ffn_norm."""
     return Family(
         name=name, model_types=(model_type,), layers="model.layers", embed_tokens="model.embed_tokens",
         ln_final="model.embedding_norm", attention="self_attn", mlp="feed_forward",
         block=_hybrid(mixer="conv", kind="a short convolution", is_routed=is_routed, o_proj=o_proj,
+                      router_path="feed_forward.gate",
                       input_norm="operator_norm", post_norm="ffn_norm", mlp="feed_forward", act="",
-                      down_proj="feed_forward.w2", mlp_activation=output("feed_forward", op="F_silu_0"), **overrides),
+                      down_proj="feed_forward.w2", mlp_activation=output("feed_forward", op="F_silu_0"),
+                      # each head's queries and keys normed, [batch, seq, heads, head_dim], before the rotary embedding
+                      attention_values=qk_norms(q=qk[0], k=qk[1]), **overrides),
         tiny_config=tiny_config, premix_is_not_mixed_values=gated,
     )
 
@@ -200,5 +222,5 @@ LFM2_MOE = _lfm("LFM2-MoE", "lfm2_moe", lambda: transformers.Lfm2MoeConfig(
 LFM3 = _lfm("LFM3", "lfm3", lambda: transformers.Lfm3Config(
     **{**_CONV, "layer_types": ["conv", "sliding_attention", "full_attention"]}, sliding_window=2, use_sandwich_norm=True,
     pad_token_id=0),
-    o_proj="self_attn.o_proj", gated="with use_attention_gate (the default) each head's output is multiplied by a sigmoid gate (g_proj) "
+    o_proj="self_attn.o_proj", qk=("q_norm", "k_norm"), gated="with use_attention_gate (the default) each head's output is multiplied by a sigmoid gate (g_proj) "
     "before o_proj", attention_output=output("post_operator_norm"), mlp_output=output("post_ffn_norm"))

@@ -12,7 +12,7 @@ head and drops the logits past ``unpadded_vocab_size`` when the head is padded.
 
 import transformers
 
-from .base import ROUTED, Family, output, pre_norm_block
+from .base import ROUTED, Family, output, pre_norm_block, qk_norms
 
 
 def _block(config, i):
@@ -20,7 +20,8 @@ def _block(config, i):
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
         attention_output=output("attn_sconv"), mlp_output=output("mlp_sconv"),
-        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if config.mlp_layer_types[i] == "sparse" else {}))
+        **({"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if config.mlp_layer_types[i] == "sparse" else {}),
+        **qk_norms())  # each head's queries and keys, [batch, seq, heads, head_dim]
 
 
 def _unpadded(logits, config):

@@ -16,6 +16,7 @@ from .hybrid import _hybrid
 from .moe import routed_layer
 
 _KDA = _hybrid(mixer="self_attn", kind="Kimi Delta Attention (a linear attention)", is_routed=routed_layer,
+               router_path="mlp.gate",
                input_norm="input_layernorm", post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn",
                down_proj="mlp.down_proj")
 _SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,

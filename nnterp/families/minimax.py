@@ -19,7 +19,7 @@ import dataclasses
 import transformers
 
 from ..spec.identity import Custom
-from .base import ROUTED, Family, input, native, pre_norm_block, times
+from .base import ROUTED, Family, input, native, pre_norm_block, router, times
 from .hybrid import is_attention, mixer_block
 
 FORMULA = ("layer_output = n2·α_m + mlp_output, n2 = norm2(layer_mid), "
@@ -47,7 +47,7 @@ def _minimax_block(config, i):
     block = pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj" if attention else "",
         post_norm="post_attention_layernorm", mlp="mlp", act="", down_proj="", identity=Custom(FORMULA, _scaled_adds, reads=("layer_input", "attention_output", "mlp_output")),
-        mlp_activation=ROUTED, mlp_neurons=ROUTED,
+        mlp_activation=ROUTED, mlp_neurons=ROUTED, **router("mlp.gate"),
         # the MLP's input is also the residual of the MLP add: read as a copy swapped in for the MLP alone, so an
         # edit of mlp_input is the MLP's (an edit of mlp_norm_output reaches both)
         mlp_input=input("mlp", copy=True),

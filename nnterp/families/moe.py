@@ -27,7 +27,19 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_at
 
 # the router whose first output is the logits, per type (the other types filed here have theirs unplaced)
 ROUTERS = {"mixtral": "mlp.gate", "qwen2_moe": "mlp.gate", "qwen3_moe": "mlp.gate", "olmoe": "mlp.gate",
-           "gpt_oss": "mlp.router"}
+           "gpt_oss": "mlp.router", "deepseek_v3": "mlp.gate"}
+
+
+# the q/k norms of the types filed under these families, per type (from transformers' code): "head" where they norm
+# [batch, seq, heads, head_dim], "first" [batch, heads, seq, head_dim], "whole" the projections' whole outputs
+QK_NORMS = {"flint": "head", "laguna": "head", "mellum": "head", "minimax_m3_vl_text": "head", "hy_v3": "first",
+            "exaone_moe": "first", "minimax_m2": "whole"}
+
+
+def _qk_norms(config, how):
+    if how == "whole":
+        return qk_norms(width=head_dim(config))
+    return qk_norms(heads_first=how == "first") if how else {}
 
 
 def _block(is_routed, qk_norm=None):
@@ -37,7 +49,7 @@ def _block(is_routed, qk_norm=None):
         routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if is_routed(config, i) else {}
         if routed and config.model_type in ROUTERS:
             routed |= router(ROUTERS[config.model_type])
-        norms = qk_norms(width=head_dim(config) if qk_norm == "whole" else None) if qk_norm else {}
+        norms = _qk_norms(config, qk_norm or QK_NORMS.get(config.model_type))
         return pre_norm_block(
             input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
             post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj", **routed,
@@ -98,7 +110,8 @@ JETMOE = Family(
     name="JetMoE", model_types=("jetmoe",), attention="self_attention",
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attention", o_proj="", post_norm="post_attention_layernorm",
-        mlp="mlp", act="", down_proj="", attention_premix=_SLOTS_MIXED, mlp_activation=ROUTED, mlp_neurons=ROUTED),
+        mlp="mlp", act="", down_proj="", attention_premix=_SLOTS_MIXED, mlp_activation=ROUTED, mlp_neurons=ROUTED,
+        **router("mlp.router.layer", op="")),  # its linear layer computes the logits
     attention_internals=STANDARD,
     tiny_config=lambda: transformers.JetMoeConfig(
         hidden_size=64, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16, intermediate_size=64,

@@ -23,6 +23,7 @@ head), before that scaling, as on every other family; keys, values, scores and p
 attention function, as on the others.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import transformers
@@ -41,6 +42,13 @@ class UnscaledQueries(EagerAttention):
 
 
 def _block(config, i):
+    # the activation's input, before the block unflattens it: fc1's output, [batch * seq, ffn_dim]
+    block = _flat_block(config, i)
+    return dataclasses.replace(block, values={**block.values,
+                                              "mlp_pre_activation": input("activation_fn", unflatten=True)})
+
+
+def _flat_block(config, i):
     if not config.do_layer_norm_before:
         return post_norm_block(
             first_norm="self_attn_layer_norm", second_norm="final_layer_norm", attention="self_attn",

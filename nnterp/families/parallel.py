@@ -8,7 +8,7 @@ sparse; Cohere and it scale the head's output by ``logit_scale``.
 
 import transformers
 
-from .base import ROUTED, Family, parallel_block, pre_norm_block
+from .base import ROUTED, Family, parallel_block, pre_norm_block, router
 from .moe import routed_layer
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -38,7 +38,7 @@ STABLELM = _family("StableLM", "stablelm", "model.norm", _stablelm_block,
 
 
 def _cohere_block(config, i):
-    routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED} if routed_layer(config, i) else {}
+    routed = {"mlp_activation": ROUTED, "mlp_neurons": ROUTED, **router("mlp.gate")} if routed_layer(config, i) else {}
     return parallel_block(input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
                           act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m", **routed)
 

@@ -19,7 +19,7 @@ Qwen4-Exp checkpoints carry an image-text config; the causal LM built from it is
 import transformers
 
 from ..spec.identity import Custom
-from .base import ROUTED, Block, Family, input, output, pre_norm_block
+from .base import ROUTED, Block, Family, input, output, pre_norm_block, qk_norms, router
 from .hybrid import mixer_block
 
 _INJECTIONS = ("(attention_output[..., None, :] * attn_w[..., None]).flatten(-2); "
@@ -38,10 +38,12 @@ def _block(config, i):
     attention = config.layer_types[i] != "linear_attention"
     base = pre_norm_block(
         input_norm="", attention="self_attn" if attention else "linear_attn", o_proj="self_attn.o_proj",
-        post_norm="", mlp="mlp", act="", down_proj="", mlp_activation=ROUTED, mlp_neurons=ROUTED,
+        post_norm="", mlp="mlp", act="", down_proj="", mlp_activation=ROUTED, mlp_neurons=ROUTED, **router("mlp.gate"),
         attention_norm_output=output("attn_hyper_connection", index=0),
         layer_mid=input("mlp_hyper_connection", shared=True),  # the gated residual keeps it as the stream
         mlp_norm_output=output("mlp_hyper_connection", index=0),
+        # each head's queries and keys normed, [batch, seq, heads, head_dim] (not the indexer's own norms)
+        **(qk_norms() if attention else {}),
         identity=Custom(
             FORMULA if has_ple else NO_PLE,
             lambda t, _: _inject(_inject(t["layer_input"] + t["P"] if has_ple else t["layer_input"],

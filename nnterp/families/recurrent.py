@@ -52,7 +52,7 @@ import transformers
 from ..spec.catalog import ATTENTION_VALUES
 from ..spec.errors import UnsupportedConfig
 from ..spec.identity import MIXER, A, Custom, M, Sum, X
-from .base import ROUTED, Block, Family, SameAs, Unavailable, input, output, pre_norm_block
+from .base import ROUTED, Block, Family, SameAs, Unavailable, input, output, pre_norm_block, router
 from .hybrid import mixer_block
 
 NO_ATTENTION = Unavailable("no block of this model has attention: each mixes tokens with a recurrent mixer, whose "
@@ -199,7 +199,8 @@ def _nemotron_h_block(config, i):
                     "layer_mid": SameAs("layer_input"),  # no token mixer's add before the MLP's
                     "mlp_norm_output": output("norm"), "mlp_input": input("mixer"),
                     "mlp_activation": ROUTED if routed else output("mixer.act_fn"),
-                    "mlp_neurons": ROUTED if routed else input("mixer.down_proj"), "mlp_output": output("mixer")},
+                    "mlp_neurons": ROUTED if routed else input("mixer.down_proj"), "mlp_output": output("mixer"),
+                    **(router("mixer.gate") if routed else {})},
             identity=Sum(X + M),
         )
     no_mlp = Unavailable(f"block {i} has no MLP: {alone}")

@@ -42,6 +42,8 @@ GLM = _renamed("GLM", ("glm",), lambda: transformers.GlmConfig(**_SMALL, num_key
                act="mlp.activation_fn", down_proj="mlp.down_proj")
 NANOCHAT = _renamed("nanochat", ("nanochat",), lambda: transformers.NanoChatConfig(**_SMALL, num_key_value_heads=2),
                     act="mlp.activation_fn", down_proj="mlp.fc2", logits_transform=softcap_logits,
+                    # nanochat norms after the rotary embedding (unlike the others): its query_norm_input is the
+                    # rotated queries, and its key_norm_output the keys the scores use at every position
                     qk_norm=lambda config: ("q_norm", "k_norm", "first"))
 VAULTGEMMA = _renamed("VaultGemma", ("vaultgemma",), lambda: transformers.VaultGemmaConfig(
     **_SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4),

@@ -70,8 +70,9 @@ def _olmo2_block(config, i, routed=False):
         # the stream the MLP reads is also the residual: edits of what the MLP receives go to a copy
         layer_mid=input("mlp", shared=True), mlp_input=input("mlp", copy=True),
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
-        # the q/k norms read the projections' whole outputs (EXAONE-4's, filed here, norm each head's)
-        **qk_norms(width=None if config.model_type == "exaone4" else head_dim(config)),
+        # the q/k norms read the projections' whole outputs (EXAONE-4's, filed here, norm each head's, after the
+        # transpose: [batch, heads, seq, head_dim])
+        **(qk_norms(heads_first=True) if config.model_type == "exaone4" else qk_norms(width=head_dim(config))),
         **(_ROUTED | router("mlp.gate") if routed else {}),
     )
 
