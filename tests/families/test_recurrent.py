@@ -18,7 +18,7 @@ from nnterp import StandardizedTransformer, ValueUnavailable
 from nnterp.core.validation import check_identity
 from nnterp.families import BY_MODEL_TYPE, ROUTED
 from nnterp.proof.miniature import miniature_config
-from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG
+from nnterp.spec.catalog import ATTENTION_INTERNALS, CATALOG, WHERE_PRESENT
 
 from ..conftest import build_tiny, perturb, tiny_tokenizer
 from ..families.test_families import IDS, hook_capture, hooks_and_reads, read_all, register_edit, run_with_hook
@@ -174,8 +174,9 @@ def test_order_and_availability(case):
         order, table, names = model.order(i, aliases=True), model.availability(i), set(at(i))
         assert list(order.values()) == sorted(order.values())
         assert {key.rpartition(".")[2] for key in order} == names
-        for value in CATALOG:
-            if value.name not in names and not ("attention_output" in names and value.name in ATTENTION_INTERNALS):
+        for value in CATALOG:  # (the values a block has where its module is: tests/families/test_where_present.py)
+            if value.name not in names and value.name not in WHERE_PRESENT and not (
+                    "attention_output" in names and value.name in ATTENTION_INTERNALS):
                 reason = table[value.key].reason  # (internals: off until turned on; a mixture: no single activation)
                 assert f"block {i} " in reason or reason == ROUTED.reason, (i, value.key)
         if {"attention_norm_output", "mixer_output"} <= names:
