@@ -138,6 +138,7 @@ class MLPEnvoy(StandardEnvoy):
 
     router_logits = StandardValue()
     mlp_pre_activation = StandardValue()
+    mlp_up_output = StandardValue()
     mlp_activation = StandardValue()
     mlp_neurons = StandardValue()
     mlp_output_before_norm = StandardValue()

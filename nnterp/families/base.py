@@ -82,6 +82,9 @@ def where_present_defaults(values: dict) -> dict[str, Location]:
                                                 "yet: read the router module's output natively")
     else:
         defaults["router_logits"] = Unavailable("a dense MLP: no router")
+    defaults["mlp_up_output"] = activation if isinstance(activation, Unavailable) else Unavailable(
+        "no up projection multiplies the activation here (an MLP that is not gated), or nnterp does not place it on "
+        "this family yet")
     if isinstance(activation, Unavailable):
         defaults["mlp_pre_activation"] = activation
     elif (isinstance(activation, At) and activation.side == "output" and not activation.op and activation.path
@@ -287,13 +290,15 @@ def pre_norm_block(
     mlp: str,
     act: str,
     down_proj: str,
+    up: str | Location | None = None,
     identity: Identity = SEQUENTIAL,
     ulps: int = 0,
     **overrides: Location,
 ) -> Block:
     """The sequential pre-norm block, ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``.
 
-    ``overrides`` place the values a family reads elsewhere (or marks unavailable).
+    ``overrides`` place the values a family reads elsewhere (or marks unavailable). ``up``: a gated MLP's up
+    projection, whose output the activation's multiplies (a module path, or a location).
     """
     values = {
         "layer_input": input("", arg=0),
@@ -307,6 +312,7 @@ def pre_norm_block(
         "mlp_neurons": input(down_proj),
         "mlp_output": output(mlp, index=0),
         "layer_output": output("", index=0),
+        **({"mlp_up_output": output(up) if isinstance(up, str) else up} if up else {}),
     }
     return Block(
         values={**values, **overrides},
@@ -415,7 +421,7 @@ PARALLEL_NO_MID = Unavailable(
 
 
 def parallel_block(*, input_norm: str, attention: str, o_proj: str, mlp: str, act: str, down_proj: str,
-                   order: str, mlp_norm: str | None = None, **overrides: Location) -> Block:
+                   order: str, mlp_norm: str | None = None, up: str | None = None, **overrides: Location) -> Block:
     """A parallel block, ``y = x + attn(norm(x)) + mlp(norm'(x))``, summed in the code's ``order``.
 
     ``order`` is one of ``"(a + m) + x"``, ``"(m + a) + x"``, ``"(x + a) + m"``. With one shared
@@ -425,7 +431,7 @@ def parallel_block(*, input_norm: str, attention: str, o_proj: str, mlp: str, ac
     sums = {"(a + m) + x": (A + M) + X, "(m + a) + x": (M + A) + X, "(x + a) + m": (X + A) + M}
     return pre_norm_block(
         input_norm=input_norm, attention=attention, o_proj=o_proj, post_norm=mlp_norm or input_norm, mlp=mlp,
-        act=act, down_proj=down_proj,
+        act=act, down_proj=down_proj, up=up,
         identity=Sum(sums[order]),
         ulps=0 if order == "(x + a) + m" else 1,
         layer_mid=PARALLEL_NO_MID,

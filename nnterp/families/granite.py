@@ -48,6 +48,7 @@ def _block(config, i, mlp="mlp", factor="residual_multiplier", **overrides):
     return added_times(pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp=mlp, act=f"{mlp}.act_fn", down_proj=f"{mlp}.down_proj",
+        up=None if overrides.get("mlp_activation") is ROUTED else f"{mlp}.up_proj",
         identity=Sum((X + A * factor) + M * factor),
         **overrides,
     ), factor)

@@ -11,6 +11,10 @@ import transformers
 
 from .base import Family, pre_norm_block, qk_norms
 
+# the types filed here whose up projection is not placed: not gated (Arcee, Jais-2: act(up_proj(x)), then down_proj),
+# or with a norm between the product and the down projection (BitNet), which the proof's check of it does not cover
+NOT_GATED = ("arcee", "jais2", "bitnet")
+
 _SMALL = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
@@ -26,7 +30,7 @@ def _llama_like(name, model_types, tiny_config, qk_norm=False):
         block=lambda config, i: pre_norm_block(
             input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
             post_norm="post_attention_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
-            **(qk_norms() if qk_norm else {}),
+            up=None if config.model_type in NOT_GATED else "mlp.up_proj", **(qk_norms() if qk_norm else {}),
         ),
         tiny_config=tiny_config,
     )

@@ -17,7 +17,7 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_at
 
 def _stablelm_block(config, i):
     modules = dict(input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
-                   act="mlp.act_fn", down_proj="mlp.down_proj")
+                   act="mlp.act_fn", down_proj="mlp.down_proj", up="mlp.up_proj")
     if config.use_parallel_residual:
         return parallel_block(order="(x + a) + m", **modules)
     return pre_norm_block(post_norm="post_attention_layernorm", **modules)
@@ -45,7 +45,7 @@ def _cohere_block(config, i):
 
 COHERE = _family("Cohere", "cohere", "model.norm", lambda config, i: parallel_block(
     input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
-    act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m"),
+    act="mlp.act_fn", down_proj="mlp.down_proj", order="(x + a) + m", up="mlp.up_proj"),
     lambda: transformers.CohereConfig(**_SMALL, num_key_value_heads=2, use_qk_norm=False, logit_scale=0.5),
     logits_transform=lambda logits, config: logits * config.logit_scale)  # Cohere scales the head's output
 COHERE2_MOE = _family("Cohere2-MoE", "cohere2_moe", "model.norm", _cohere_block,

@@ -7,7 +7,8 @@ activation module is ``activation_fn`` on the gate half of ``gate_up_proj``.
 
 import transformers
 
-from .base import Family, output, pre_norm_block
+from ..spec.views import Half
+from .base import At, Family, output, pre_norm_block
 
 PHI3 = Family(
     name="Phi-3",
@@ -15,6 +16,7 @@ PHI3 = Family(
     block=lambda config, i: pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
+        up=At("mlp.gate_up_proj", "output", views=(Half(1),)),  # [gate | up], chunked
         attention_output=output("resid_attn_dropout"), mlp_output=output("resid_mlp_dropout"),
     ),
     tiny_config=lambda: transformers.Phi3Config(

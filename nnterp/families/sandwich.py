@@ -16,7 +16,20 @@ with a routed mixture for MLP.
 
 import transformers
 
-from .base import ROUTED, Family, Unavailable, head_dim, input, output, pre_norm_block, qk_norms, router, softcap_logits
+from ..spec.views import Half
+from .base import (
+    ROUTED,
+    At,
+    Family,
+    Unavailable,
+    head_dim,
+    input,
+    output,
+    pre_norm_block,
+    qk_norms,
+    router,
+    softcap_logits,
+)
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -27,6 +40,7 @@ def _gemma_block(config, i):
     return pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="pre_feedforward_layernorm", mlp="mlp", act="mlp.act_fn", down_proj="mlp.down_proj",
+        up="mlp.up_proj",
         attention_output=output("post_attention_layernorm"), mlp_output=output("post_feedforward_layernorm"),
         # Gemma-3 norms each head's queries and keys before the rotary embedding; Gemma-2 does not
         **(qk_norms(heads_first=True) if config.model_type.startswith("gemma3") else {}),
@@ -43,6 +57,7 @@ def _glm4_block(config, i, routed=False):
     return pre_norm_block(
         input_norm="input_layernorm", attention="self_attn", o_proj="self_attn.o_proj",
         post_norm="post_attention_layernorm", mlp="mlp", act="mlp.activation_fn", down_proj="mlp.down_proj",
+        up=None if routed else At("mlp.gate_up_proj", "output", views=(Half(1),)),  # [gate | up], chunked
         attention_output=output("post_self_attn_layernorm"), mlp_output=output("post_mlp_layernorm"),
         # Kolibri-1 (the routed one) norms each head's queries and keys; GLM-4 does not
         # Kolibri-1's router computes its logits on one of two paths, by device and dtype: not placed
@@ -62,7 +77,7 @@ def _afmoe_block(config, i):
 def _olmo2_block(config, i, routed=False):
     return pre_norm_block(
         input_norm="", attention="self_attn", o_proj="self_attn.o_proj", post_norm="", mlp="mlp",
-        act="mlp.act_fn", down_proj="mlp.down_proj",
+        act="mlp.act_fn", down_proj="mlp.down_proj", up=None if routed else "mlp.up_proj",
         attention_norm_output=Unavailable("no norm before the attention: it reads layer_input (the block norms "
                                           "the attention's output instead, in post_attention_layernorm)"),
         mlp_norm_output=Unavailable("no norm before the MLP: it reads layer_mid (the block norms the MLP's "

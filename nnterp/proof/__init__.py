@@ -275,6 +275,10 @@ def _where_present_problems(model, layer: int, values, label: str) -> list[str]:
             recomputed = module(values["mlp_pre_activation"])
         if not torch.equal(recomputed, values["mlp_activation"]):
             problems.append(f"{label}: {pre.path} applied to 'mlp.mlp_pre_activation' is not 'mlp.mlp_activation'")
+    if {"mlp_up_output", "mlp_activation", "mlp_neurons"} <= set(values) and not torch.equal(
+            values["mlp_activation"] * values["mlp_up_output"], values["mlp_neurons"]):
+        problems.append(f"{label}: 'mlp.mlp_activation' * 'mlp.mlp_up_output' is not 'mlp.mlp_neurons', what the "
+                        "down projection sums")
     return problems
 
 

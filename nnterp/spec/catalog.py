@@ -94,13 +94,16 @@ CATALOG: tuple[Value, ...] = (
           "softmax or choice"),
     Value("mlp_pre_activation", "mlp", NEURONS, 16,
           "the input of the MLP's activation function (the gate projection's output on a gated MLP)"),
-    Value("mlp_activation", "mlp", NEURONS, 17, "the output of the MLP's activation function"),
-    Value("mlp_neurons", "mlp", NEURONS, 18, "what the down projection sums"),
-    Value("mlp_output_before_norm", "mlp", STREAM_DIMS, 19,
+    Value("mlp_up_output", "mlp", NEURONS, 17,
+          "a gated MLP's up projection output, which the activation's output multiplies: mlp_neurons is "
+          "mlp_activation * mlp_up_output"),
+    Value("mlp_activation", "mlp", NEURONS, 18, "the output of the MLP's activation function"),
+    Value("mlp_neurons", "mlp", NEURONS, 19, "what the down projection sums"),
+    Value("mlp_output_before_norm", "mlp", STREAM_DIMS, 20,
           "what the MLP returns, before the norm a block with norms after its sublayers applies to it "
           "(mlp_output where no norm follows the MLP)"),
-    Value("mlp_output", "mlp", STREAM_DIMS, 20, "what the MLP adds to the stream", "added"),
-    Value("layer_output", "block", STREAM_DIMS, 21, "the residual stream leaving the block", "output"),
+    Value("mlp_output", "mlp", STREAM_DIMS, 21, "what the MLP adds to the stream", "added"),
+    Value("layer_output", "block", STREAM_DIMS, 22, "the residual stream leaving the block", "output"),
 )
 BY_NAME: dict[str, Value] = {v.name: v for v in CATALOG}
 OWNERS = ("block", "self_attn", "mlp")
@@ -122,7 +125,8 @@ IDENTITY_TERMS = _named(("input", "added", "output"))
 # sublayer, an activation module): a family spec places them where it has; the block spec gives every other block
 # the default (``families.base.Block``: unavailable with the reason, or the same place as the value they equal there)
 WHERE_PRESENT = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output",
-                 "attention_output_before_norm", "router_logits", "mlp_pre_activation", "mlp_output_before_norm")
+                 "attention_output_before_norm", "router_logits", "mlp_pre_activation", "mlp_up_output",
+                 "mlp_output_before_norm")
 # Values inside the attention computation: read inside the model's eager attention when they are on.
 ATTENTION_INTERNALS = ("queries", "keys", "values", "attention_scores", "attention_probabilities")
 # The values of a block's attention: unavailable together on a hybrid's blocks that mix tokens otherwise.

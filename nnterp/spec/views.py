@@ -151,6 +151,33 @@ class HeadWidth(_Reshaped):
         return f" (viewed per head of width {self.width})"
 
 
+class Half(View):
+    """One half of the last dimension: ``which`` 0 the first, 1 the second (a fused gate-and-up projection's output,
+    ``[gate | up]``, read as the gate's or the up projection's part). A slice, handed back with the other half kept."""
+
+    name = "half"
+    rank = 70
+    fresh = True  # handed back through ``unview``, which puts the other half back beside it
+
+    def __init__(self, which: int):
+        self.which = which
+
+    def shape(self, shape, block, heads):
+        return (*shape[:-1], shape[-1] // 2)
+
+    def view(self, tensor, block, heads):
+        width = tensor.shape[-1] // 2
+        return tensor[..., self.which * width: (self.which + 1) * width]
+
+    def unview(self, value, tensor, block, heads):
+        width = tensor.shape[-1] // 2
+        parts = (value, tensor[..., width:]) if self.which == 0 else (tensor[..., :width], value)
+        return torch.cat(parts, dim=-1)
+
+    def describe(self) -> str:
+        return " (its first half: the gate's)" if self.which == 0 else " (its second half: the up projection's)"
+
+
 class HeadsFirst(View):
     """``[batch, heads, seq, dim]`` as ``[batch, seq, heads, dim]``: a transposed view of the same storage."""
 

@@ -74,8 +74,8 @@ GLU = ("vLLM's Transformers backend fuses the gated MLP's gate and up projection
        "one op (its GLU fuser: the act module becomes an act-and-mul): act(gate) alone is never a tensor; "
        "mlp_neurons is that op's output")
 GLU_INPUT = ("vLLM's Transformers backend fuses the gated MLP's gate and up projections into one (its GLU fuser), "
-             "whose act-and-mul module reads both: the activation's input, the gate's part of it, is not placed on the "
-             "backend yet")
+             "whose act-and-mul module reads both: the activation's input and the up projection's output, its two "
+             "parts, are not placed on the backend yet")
 HEADS_FIRST = ("read where the attention holds it [batch, heads, seq, dim]: on vLLM's Transformers backend that tensor is "
                "[1, heads, tokens, dim] for the whole step, which nnsight does not split per request")
 OPERATION = ("read at an operation inside transformers' forward (`.source`), which vLLM's Transformers backend "
@@ -104,7 +104,7 @@ def backend_family(spec, config) -> VLLMFamily:
             unavailable[name] = OPERATION
         elif name == "mlp_activation" and fused_activation(spec.name, config.model_type):
             unavailable[name] = GLU
-        elif name == "mlp_pre_activation" and fused_activation(spec.name, config.model_type):
+        elif name in ("mlp_pre_activation", "mlp_up_output") and fused_activation(spec.name, config.model_type):
             unavailable[name] = GLU_INPUT
         elif any(isinstance(view, HeadsFirst) for view in location.views):
             unavailable[name] = HEADS_FIRST

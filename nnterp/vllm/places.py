@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from ..families.base import PARALLEL_NO_MID, ROUTED, qk_norms
 from ..spec.catalog import ATTENTION_INTERNALS
 from ..spec.locations import At
-from ..spec.views import Times, View
+from ..spec.views import Half, Times, View
 from .backend import BACKEND_FAMILIES, CLASSES, REJECTED, THROUGH_BACKEND, backend_family
 from .family import FUSED, PLAIN, FromKernel, FusedStream, Place, VLLMFamily
 
@@ -417,25 +415,6 @@ def _with_kernel(family: VLLMFamily) -> VLLMFamily:
     return dataclasses.replace(family, values=values, unavailable=unavailable)
 
 
-class GateHalf(View):
-    """The gate's half of a fused gate-and-up projection's output (``[gate | up]``, what vLLM's ``SiluAndMul`` reads):
-    the input of the activation function, handed back with the up half kept where edited."""
-
-
-    name = "gate_half"
-    rank = 70
-    fresh = True  # a slice: handed back through ``unview``, which puts the up half back beside it
-
-    def view(self, tensor, block, heads):
-        return tensor[..., : tensor.shape[-1] // 2]
-
-    def unview(self, value, tensor, block, heads):
-        return torch.cat([value, tensor[..., tensor.shape[-1] // 2:]], dim=-1)
-
-    def describe(self) -> str:
-        return " (its first half: the gate's, which the activation function reads)"
-
-
 # vLLM's rotary embedding rotates the normed queries and keys in place: their norms' outputs are read as copies (an
 # edit handed back), so a value kept past the rotation is still what the norm gave
 _QK_NORMS = {name: {value: dataclasses.replace(place, copy=True) if place.side == "output" else place
@@ -469,9 +448,13 @@ def _where_present(family: VLLMFamily) -> VLLMFamily:
     elif "mlp_neurons" in values and family.mlp:
         # the gate-and-up projection's output, not the act-and-mul module's input: vLLM shares one such module
         # between the blocks on some families (Gemma-3's, from its registry), so it has one path, block 0's
-        new["mlp_pre_activation"] = At(f"{family.mlp}.gate_up_proj", "output", views=(GateHalf(),))
+        new["mlp_pre_activation"] = At(f"{family.mlp}.gate_up_proj", "output", views=(Half(0),))
+        new["mlp_up_output"] = At(f"{family.mlp}.gate_up_proj", "output", views=(Half(1),))
     else:
         unavailable["mlp_pre_activation"] = unavailable["mlp_neurons"]
+    if "mlp_up_output" not in new:
+        unavailable["mlp_up_output"] = unavailable.get("mlp_neurons", "the MLP is not gated: no up projection "
+                                                       "multiplies its activation")
     for contribution in ("attention_output", "mlp_output"):
         place = values[contribution]
         after_norm = isinstance(place, At) and "norm" in place.path.rpartition(".")[2]
@@ -479,10 +462,10 @@ def _where_present(family: VLLMFamily) -> VLLMFamily:
     ordered: dict[str, Place] = {}
     anchors = {"queries": ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"),
                "attention_output": ("attention_output_before_norm",),
-               "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_output_before_norm")}
+               "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_up_output", "mlp_output_before_norm")}
     for key, place in values.items():
         if key in ("mlp_activation", "mlp_neurons", "mlp_output"):  # the router and the activation's input first
-            for early in ("router_logits", "mlp_pre_activation"):
+            for early in ("router_logits", "mlp_pre_activation", "mlp_up_output"):
                 if early in new and early not in ordered:
                     ordered[early] = new[early]
         for before in anchors.get(key, ()):
@@ -501,10 +484,10 @@ KERNEL_SHARDED = ("under tensor parallelism each rank's attention kernel receive
                   "input, gathered) is whole; run with tensor_parallel_size=1 for the attention's internals")
 
 
-RANK_SHARDED = ("under tensor parallelism each rank norms its own heads' queries and keys, and its activation reads its "
-                "own slice of the fused gate-and-up projection, at no parallel linear layer's boundary (where nnsight "
-                "gathers the ranks' pieces into the whole): read here they would be one rank's slice; run with "
-                "tensor_parallel_size=1 for them")
+RANK_SHARDED = ("under tensor parallelism each rank norms its own heads' queries and keys at no parallel linear layer's "
+                "boundary (where nnsight gathers the ranks' pieces into the whole), and the fused gate-and-up "
+                "projection's output gathered is each rank's [gate | up] side by side, not [gate | up]: read here "
+                "they would be one rank's slice, or the halves mixed; run with tensor_parallel_size=1 for them")
 
 
 def sharded(family: VLLMFamily) -> VLLMFamily:
@@ -515,7 +498,7 @@ def sharded(family: VLLMFamily) -> VLLMFamily:
     # a rank's own heads (each rank norms its heads' queries and keys) and a rank's own gate-and-up slab (the
     # activation's input): at no parallel linear layer's boundary either
     own = [name for name, place in family.values.items() if "_norm_" in name and name.startswith(("query", "key"))
-           or isinstance(place, At) and any(isinstance(view, GateHalf) for view in place.views)]
+           or isinstance(place, At) and any(isinstance(view, Half) for view in place.views)]
     refused = {**dict.fromkeys(kernel, KERNEL_SHARDED), **dict.fromkeys(own, RANK_SHARDED)}
     return dataclasses.replace(family, values={k: v for k, v in family.values.items() if k not in refused},
                                unavailable={**family.unavailable, **refused})

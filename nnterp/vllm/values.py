@@ -103,8 +103,17 @@ def _fresh_back(host: FreshAt, value: torch.Tensor, raw):
     return _rebuilt(host.place, raw, _unviewed(host.envoy, host.place, _tensor_of(host.place, raw), value, host.name))
 
 
-# one per element: nnsight answers a read with the write-back waiting on the same eproperty (queries' for the keys)
-FRESH = {(side, i): eproperty(key=side)(_fresh_view).transform(_fresh_back) for side in ("input", "output") for i in range(4)}
+# one per element and views: nnsight answers a read with the write-back waiting on the same eproperty (the queries'
+# for the keys, the gate's half for the up projection's)
+FRESH: dict[tuple, eproperty] = {}
+
+
+def fresh_property(place: Place) -> eproperty:
+    """The eproperty that serves ``place``'s product and hands it back: one per element of a boundary and views."""
+    key = (place.side, place.arg if place.side == "input" else place.index, place.views)
+    if key not in FRESH:
+        FRESH[key] = eproperty(key=place.side)(_fresh_view).transform(_fresh_back)
+    return FRESH[key]
 
 
 def _rebuilt(place: Place, raw, tensor: torch.Tensor):
@@ -166,7 +175,7 @@ def read_value(envoy, name: str) -> torch.Tensor:
     if place.copy:
         return COPY_OUTPUT.__get__(CopyAt(location.rpartition(".")[0], place))
     if is_fresh(place):
-        fresh = FRESH[place.side, place.arg if place.side == "input" else place.index]
+        fresh = fresh_property(place)
         return fresh.__get__(FreshAt(location.rpartition(".")[0], place, envoy, name))
     return _viewed(envoy, place, _tensor_of(place, Mediator.value(location)), name)
 

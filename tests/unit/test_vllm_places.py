@@ -90,7 +90,8 @@ def test_a_transformers_backend_family_is_its_spec_at_the_same_modules(name):
             assert not location.op and not location.join
         elif value == "mlp_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
             assert "act(gate) * up in one op" in placed.reason(value)
-        elif value == "mlp_pre_activation" and BACKEND_FAMILIES[name] and not isinstance(location, Unavailable):
+        elif value in ("mlp_pre_activation", "mlp_up_output") and BACKEND_FAMILIES[name] and not isinstance(
+                location, Unavailable):
             assert "GLU fuser" in placed.reason(value)
         elif isinstance(location, At) and any(isinstance(view, HeadsFirst) for view in location.views):
             assert "whole step" in placed.reason(value)  # [1, heads, tokens, dim] for every request at once

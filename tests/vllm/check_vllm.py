@@ -266,17 +266,21 @@ QK = {"query_norm_input": ("self_attn.q_norm", "input"), "query_norm_output": ("
       "key_norm_input": ("self_attn.k_norm", "input"), "key_norm_output": ("self_attn.k_norm", "output")}
 QK_FIRST = {name: (path, side, None, "heads_first") for name, (path, side) in QK.items()}
 PERSIMMON_QK = {name: (path.replace("_norm", "_layernorm"), side) for name, (path, side) in QK.items()}
-ACT_IN = {"mlp_pre_activation": ("mlp.act_fn", "input")}
+ACT_IN = {"mlp_pre_activation": ("mlp.act_fn", "input"), "mlp_up_output": ("mlp.up_proj", "output")}
+# Phi-3's and GLM-4's one gate-and-up projection, chunked: its output's second half (a fourth element "half1")
+FUSED_UP = {"mlp_up_output": ("mlp.gate_up_proj", "output", None, "half1")}
 WHERE_PRESENT = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "gemma", "gemma2", "stablelm", "cohere", "cohere2", "granite",
-                     "hyperclovax", "olmo", "smollm3", "vaultgemma", "helium", "seed_oss", "ministral", "cwm",
-                     "hunyuan_v1_dense", "arcee", "jais2"), ACT_IN),
+                     "hyperclovax", "olmo", "smollm3", "helium", "seed_oss", "ministral", "cwm",
+                     "hunyuan_v1_dense"), ACT_IN),
+    # no up projection placed: VaultGemma's spec places none, Arcee's and Jais-2's MLPs are not gated
+    **dict.fromkeys(("vaultgemma", "arcee", "jais2"), {"mlp_pre_activation": ("mlp.act_fn", "input")}),
     "qwen3": {**QK, **ACT_IN}, "gemma3": {**QK_FIRST, **ACT_IN}, "qwen3_moe": {**QK, "router_logits": ("mlp.gate", "output")},
     "olmoe": {**QK, "router_logits": ("mlp.gate", "output")}, "mixtral": {"router_logits": ("mlp.gate", "output")},
     "qwen2_moe": {"router_logits": ("mlp.gate", "output")}, "gpt_oss": {"router_logits": ("mlp.router", "output")},
     "granitemoe": {"router_logits": ("block_sparse_moe.router", "output")},
-    "phi3": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
-    "glm4": {"mlp_pre_activation": ("mlp.activation_fn", "input")}, "glm": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
+    "phi3": {"mlp_pre_activation": ("mlp.activation_fn", "input"), **FUSED_UP},
+    "glm4": {"mlp_pre_activation": ("mlp.activation_fn", "input"), **FUSED_UP}, "glm": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
     **dict.fromkeys(("gpt2", "gptj", "falcon", "gpt_bigcode", "codegen", "gpt_neox", "gpt_neox_sequential"),
                     {"mlp_pre_activation": ("mlp.act", "input")}),
     "opt": {"mlp_pre_activation": ("activation_fn", "input")}, "biogpt": {"mlp_pre_activation": ("activation_fn", "input")},
@@ -303,9 +307,9 @@ def with_points(hooks: dict, family: str) -> dict:
             extra[f"{name}_before_norm"] = (path, "input") if "norm" in path.rpartition(".")[2] else hooks[name]
     anchors = {"attention_premix": ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"),
                "attention_output": ("attention_output_before_norm",),
-               "mlp_activation": ("router_logits", "mlp_pre_activation"),
-               "mlp_neurons": ("router_logits", "mlp_pre_activation"),
-               "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_output_before_norm")}
+               "mlp_activation": ("router_logits", "mlp_pre_activation", "mlp_up_output"),
+               "mlp_neurons": ("router_logits", "mlp_pre_activation", "mlp_up_output"),
+               "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_up_output", "mlp_output_before_norm")}
     out: dict = {}
     for name, place in hooks.items():
         for before in anchors.get(name, ()):
@@ -318,6 +322,7 @@ def with_points(hooks: dict, family: str) -> dict:
 OWNER = {"attention_premix": "self_attn", "attention_output": "self_attn", "mlp_activation": "mlp",
          "mlp_neurons": "mlp", "mlp_output": "mlp", **{name: "self_attn" for name in QK},
          "attention_output_before_norm": "self_attn", "router_logits": "mlp", "mlp_pre_activation": "mlp",
+         "mlp_up_output": "mlp",
          "mlp_output_before_norm": "mlp"}
 PROMPT = [5, 17, 33, 9, 60, 41, 12]
 OTHER = [7, 8, 99, 3]
@@ -375,12 +380,13 @@ def hooked(model, ids, hooks, edit=None):
             except AttributeError:  # a value the family does not have (a mixture of experts' down projection)
                 continue
             times = getattr(block, factor[0]) if factor and factor[0] else None
-            heads_first = "heads_first" in factor
+            heads_first, half = "heads_first" in factor, "half1" in factor
 
             def record(_module, args, kwargs_or_out, out=None, i=i, name=name, side=side, times=times,
-                       heads_first=heads_first):
+                       heads_first=heads_first, half=half):
                 tensor = (args[0] if args else kwargs_or_out["hidden_states"]) if side == "input" else first(out)
                 tensor = tensor.transpose(1, 2) if heads_first else tensor  # [batch, seq, heads, dim]
+                tensor = tensor.chunk(2, dim=-1)[1] if half else tensor
                 seen[(i, name)] = (tensor.detach() if times is None else tensor.detach() * times).clone()
             if side == "input":
                 handles.append(module.register_forward_pre_hook(lambda m, a, k, f=record: f(m, a, k), with_kwargs=True))
@@ -388,6 +394,9 @@ def hooked(model, ids, hooks, edit=None):
                 handles.append(module.register_forward_hook(lambda m, a, o, f=record: f(m, a, None, o)))
     if edit is not None:
         layer, (path, side, *factor), fn, stream = edit
+        if "half1" in factor:  # the second half of the module's output alone
+            whole = fn
+            fn = lambda t: torch.cat([t.chunk(2, dim=-1)[0], whole(t.chunk(2, dim=-1)[1])], dim=-1)  # noqa: E731
         block = blocks_of(model)[layer]
         module = block.get_submodule(path) if path else block
         if factor and factor[0]:  # the edit is of the product the stream receives: the module's output, divided back
@@ -523,7 +532,7 @@ def main(family: str) -> dict:
     # the values a block has where its module is: each edited in place (1.5 t + 0.3 |t|, elementwise, so the same on
     # any layout, and no affine map a norm after it would undo), against the same edit by a hook on transformers' module
     for name in ("query_norm_output", "key_norm_input", "attention_output_before_norm", "mlp_pre_activation",
-                 "mlp_output_before_norm"):
+                 "mlp_up_output", "mlp_output_before_norm"):
         if name not in available:
             continue
         with torch.no_grad(), model.trace(PROMPT, temperature=0.0, max_tokens=1):

@@ -53,7 +53,7 @@ UNAVAILABLE["flex_olmo"]["mlp.mlp_neurons"] = "experts"
 UNAVAILABLE["kolibri1"] = {"mlp.mlp_neurons": "experts"}
 for key, fused in BACKEND.items():  # vLLM's GLU fuser reads the gate and up projections' outputs together
     if fused and key not in ("flex_olmo", "kolibri1"):  # (routed mixtures: no activation's input to place)
-        UNAVAILABLE.setdefault(key, {})["mlp.mlp_pre_activation"] = "GLU fuser"
+        UNAVAILABLE.setdefault(key, {}).update({"mlp.mlp_pre_activation": "GLU fuser", "mlp.mlp_up_output": "GLU fuser"})
 for key in ("kolibri1", "nanochat"):  # their q/k norms read [batch, heads, seq, dim]: the whole step's, on the backend
     UNAVAILABLE.setdefault(key, {}).update({f"self_attn.{which}_norm_{side}": "whole step" for which in ("query", "key")
                              for side in ("input", "output")})
@@ -126,7 +126,7 @@ def test_every_value_equals_transformers_hooks(measured):
 def test_edits_reach_the_next_block_as_a_hook_edit_does(measured):
     # each value a block has where its module is, served here, edited in place against the hook's edit
     for name in ("query_norm_output", "key_norm_input", "attention_output_before_norm", "mlp_pre_activation",
-                 "mlp_output_before_norm"):
+                 "mlp_up_output", "mlp_output_before_norm"):
         assert (name in measured["available"]) == (f"1.{name}.inplace" in measured["edits"]), name
     # an edit of the router's logits reaches vLLM's fused experts' choice as transformers' router's
     assert ("1.router_logits.inplace" in measured["edits"]) == (measured["key"] == "mixtral")
