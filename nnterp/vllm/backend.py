@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..spec.catalog import ATTENTION_INTERNALS, CATALOG
 from ..spec.locations import At, Unavailable
-from ..spec.views import HeadsFirst
+from ..spec.views import Half, HeadsFirst
 from .family import PLAIN, VLLMFamily
 
 CLASSES = ("transformers.TransformersForCausalLM", "transformers.TransformersMoEForCausalLM")
@@ -118,7 +118,14 @@ def backend_family(spec, config) -> VLLMFamily:
 def _in_forward_order(values: dict) -> dict:
     """``values`` (the catalog's order) with each value read at an earlier one's boundary moved beside it: a parallel
     block's one norm feeds both sublayers, so ``mlp_norm_output`` is read where ``attention_norm_output`` is,
-    before the attention runs (a trace reads values in forward order: run_with_cache, collect)."""
+    before the attention runs (a trace reads values in forward order: run_with_cache, collect); and the up half of
+    one gate-and-up projection before the activation's input."""
+    up = values.get("mlp_up_output")
+    if up is not None and "mlp_pre_activation" in values and any(isinstance(view, Half) for view in up.views):
+        # the up half of one gate-and-up projection (GLM's) exists before the activation reads the gate's half
+        values = {name: place for name, place in values.items() if name != "mlp_up_output"}
+        at = list(values).index("mlp_pre_activation")
+        values = dict([*list(values.items())[:at], ("mlp_up_output", up), *list(values.items())[at:]])
     ordered = {}
     for name, place in values.items():
         if name not in ordered:

@@ -17,7 +17,8 @@ IDS = torch.tensor([[5, 17, 33, 9, 60, 41, 12]])
 # model type -> (the up projection, relative to a block; whether its output is [gate | up], the up part second)
 UP = {"llama": ("mlp.up_proj", False), "qwen3": ("mlp.up_proj", False), "gemma2": ("mlp.up_proj", False),
       "olmo2": ("mlp.up_proj", False), "granite": ("mlp.up_proj", False), "cohere": ("mlp.up_proj", False),
-      "stablelm": ("mlp.up_proj", False), "phi3": ("mlp.gate_up_proj", True), "glm4": ("mlp.gate_up_proj", True)}
+      "stablelm": ("mlp.up_proj", False), "phi3": ("mlp.gate_up_proj", True), "glm4": ("mlp.gate_up_proj", True),
+      "glm": ("mlp.gate_up_proj", True), "vaultgemma": ("mlp.up_proj", False)}
 
 
 def make(model_type):

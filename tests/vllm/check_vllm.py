@@ -272,15 +272,15 @@ FUSED_UP = {"mlp_up_output": ("mlp.gate_up_proj", "output", None, "half1")}
 WHERE_PRESENT = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "gemma", "gemma2", "stablelm", "cohere", "cohere2", "granite",
                      "hyperclovax", "olmo", "smollm3", "helium", "seed_oss", "ministral", "cwm",
-                     "hunyuan_v1_dense"), ACT_IN),
-    # no up projection placed: VaultGemma's spec places none, Arcee's and Jais-2's MLPs are not gated
-    **dict.fromkeys(("vaultgemma", "arcee", "jais2"), {"mlp_pre_activation": ("mlp.act_fn", "input")}),
+                     "hunyuan_v1_dense", "vaultgemma"), ACT_IN),
+    # no up projection: Arcee's and Jais-2's MLPs are not gated
+    **dict.fromkeys(("arcee", "jais2"), {"mlp_pre_activation": ("mlp.act_fn", "input")}),
     "qwen3": {**QK, **ACT_IN}, "gemma3": {**QK_FIRST, **ACT_IN}, "qwen3_moe": {**QK, "router_logits": ("mlp.gate", "output")},
     "olmoe": {**QK, "router_logits": ("mlp.gate", "output")}, "mixtral": {"router_logits": ("mlp.gate", "output")},
     "qwen2_moe": {"router_logits": ("mlp.gate", "output")}, "gpt_oss": {"router_logits": ("mlp.router", "output")},
     "granitemoe": {"router_logits": ("block_sparse_moe.router", "output")},
     "phi3": {"mlp_pre_activation": ("mlp.activation_fn", "input"), **FUSED_UP},
-    "glm4": {"mlp_pre_activation": ("mlp.activation_fn", "input"), **FUSED_UP}, "glm": {"mlp_pre_activation": ("mlp.activation_fn", "input")},
+    "glm4": {"mlp_pre_activation": ("mlp.activation_fn", "input"), **FUSED_UP}, "glm": {"mlp_pre_activation": ("mlp.activation_fn", "input"), **FUSED_UP},
     **dict.fromkeys(("gpt2", "gptj", "falcon", "gpt_bigcode", "codegen", "gpt_neox", "gpt_neox_sequential"),
                     {"mlp_pre_activation": ("mlp.act", "input")}),
     "opt": {"mlp_pre_activation": ("activation_fn", "input")}, "biogpt": {"mlp_pre_activation": ("activation_fn", "input")},
@@ -310,6 +310,8 @@ def with_points(hooks: dict, family: str) -> dict:
                "mlp_activation": ("router_logits", "mlp_pre_activation", "mlp_up_output"),
                "mlp_neurons": ("router_logits", "mlp_pre_activation", "mlp_up_output"),
                "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_up_output", "mlp_output_before_norm")}
+    if "half1" in extra.get("mlp_up_output", ()):  # one gate-and-up projection: the up part exists before the gate's
+        anchors = {key: tuple(sorted(names, key=("mlp_up_output",).count, reverse=True)) for key, names in anchors.items()}
     out: dict = {}
     for name, place in hooks.items():
         for before in anchors.get(name, ()):
