@@ -11,9 +11,10 @@ import transformers
 
 from .base import Family, pre_norm_block, qk_norms
 
-# the types filed here whose up projection is not placed: not gated (Arcee, Jais-2: act(up_proj(x)), then down_proj),
-# or with a norm between the product and the down projection (BitNet), which the proof's check of it does not cover
-NOT_GATED = ("arcee", "jais2", "bitnet")
+# the types filed here whose up projection is not placed: not gated (Arcee, Jais-2, Nemotron: act(up_proj(x)), then
+# down_proj), or with a norm between the product and the down projection (BitNet), which the proof's check of it does
+# not cover
+NOT_GATED = ("arcee", "jais2", "nemotron", "bitnet")
 
 _SMALL = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
