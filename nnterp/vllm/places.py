@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..families.base import PARALLEL_NO_MID, ROUTED, qk_norms
+from ..families.base import PARALLEL_NO_MID, ROUTED, is_norm_path, qk_norms
 from ..spec.catalog import ATTENTION_INTERNALS
 from ..spec.locations import At
 from ..spec.views import Half, Times, View
@@ -431,9 +431,10 @@ _NO_QK_NORM = ("vLLM's code for this family norms no queries or keys of their ow
 
 def _where_present(family: VLLMFamily) -> VLLMFamily:
     """``family`` with the values the catalog has only where their module is (``WHERE_PRESENT``): the q/k norms'
-    inputs and outputs, the router's logits, the activation's input (the gate's half of the fused gate-and-up output
-    vLLM's activation reads, or the up projection's output), and the contributions before a sandwich block's norms
-    (the norm's input; elsewhere the contribution's own place), each inserted in forward order."""
+    inputs and outputs, the router's logits, the activation's input and the up projection's output (the two halves of
+    the fused gate-and-up output vLLM's activation reads; the up projection's output where the MLP is not gated), and
+    the contributions before a sandwich block's norms (the norm's input; elsewhere the contribution's own place), each
+    inserted in forward order."""
     name, values, unavailable = family.name, family.values, dict(family.unavailable)
     new: dict[str, Place] = dict(_QK_NORMS.get(name, {}))
     if name not in _QK_NORMS:
@@ -457,7 +458,7 @@ def _where_present(family: VLLMFamily) -> VLLMFamily:
                                                        "multiplies its activation")
     for contribution in ("attention_output", "mlp_output"):
         place = values[contribution]
-        after_norm = isinstance(place, At) and "norm" in place.path.rpartition(".")[2]
+        after_norm = isinstance(place, At) and is_norm_path(place.path)
         new[f"{contribution}_before_norm"] = At(place.path, "input") if after_norm else place
     ordered: dict[str, Place] = {}
     anchors = {"queries": ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"),
