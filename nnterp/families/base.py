@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..spec.attention import STANDARD, WITH_SINKS, EagerAttention
-from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG
+from ..spec.catalog import ADDED, ATTENTION_INTERNALS, CATALOG, QK_NORM_VALUES
 from ..spec.identity import SEQUENTIAL, A, Custom, Expr, Identity, M, Plus, PostNorm, Scaled, Sum, Terms, X, native
 from ..spec.locations import At, Location, SameAs, Unavailable, input, output
 from ..spec.sourced import sourced
@@ -65,7 +65,7 @@ def where_present_defaults(values: dict) -> dict[str, Location]:
     defaults: dict[str, Location] = {}
     attention = _resolved(values, "attention_premix")
     no_attention = attention if isinstance(attention, Unavailable) else None
-    for name in ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"):
+    for name in QK_NORM_VALUES:
         defaults[name] = no_attention or Unavailable(NO_QK_NORM)
     for name in ("attention_output", "mlp_output"):
         where = _resolved(values, name)

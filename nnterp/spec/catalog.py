@@ -124,7 +124,8 @@ IDENTITY_TERMS = _named(("input", "added", "output"))
 # Values a block has only where its family has what computes them (a query or key norm, a router, a norm after a
 # sublayer, an activation module): a family spec places them where it has; the block spec gives every other block
 # the default (``families.base.Block``: unavailable with the reason, or the same place as the value they equal there)
-WHERE_PRESENT = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output",
+QK_NORM_VALUES = ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output")
+WHERE_PRESENT = (*QK_NORM_VALUES,
                  "attention_output_before_norm", "router_logits", "mlp_pre_activation", "mlp_up_output",
                  "mlp_output_before_norm")
 # Values inside the attention computation: read inside the model's eager attention when they are on.

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..families.base import PARALLEL_NO_MID, ROUTED, is_norm_path, qk_norms
-from ..spec.catalog import ATTENTION_INTERNALS
+from ..spec.catalog import ATTENTION_INTERNALS, QK_NORM_VALUES
 from ..spec.locations import At
 from ..spec.views import Half, Times, View
 from .backend import BACKEND_FAMILIES, CLASSES, REJECTED, THROUGH_BACKEND, backend_family
@@ -438,8 +438,7 @@ def _where_present(family: VLLMFamily) -> VLLMFamily:
     name, values, unavailable = family.name, family.values, dict(family.unavailable)
     new: dict[str, Place] = dict(_QK_NORMS.get(name, {}))
     if name not in _QK_NORMS:
-        unavailable.update(dict.fromkeys(("query_norm_input", "query_norm_output", "key_norm_input",
-                                          "key_norm_output"), _NO_QK_NORM))
+        unavailable.update(dict.fromkeys(QK_NORM_VALUES, _NO_QK_NORM))
     if name in _ROUTERS:
         new["router_logits"] = At(_ROUTERS[name], "output")
     else:
@@ -461,7 +460,7 @@ def _where_present(family: VLLMFamily) -> VLLMFamily:
         after_norm = isinstance(place, At) and is_norm_path(place.path)
         new[f"{contribution}_before_norm"] = At(place.path, "input") if after_norm else place
     ordered: dict[str, Place] = {}
-    anchors = {"queries": ("query_norm_input", "query_norm_output", "key_norm_input", "key_norm_output"),
+    anchors = {"queries": QK_NORM_VALUES,
                "attention_output": ("attention_output_before_norm",),
                "mlp_output": ("router_logits", "mlp_pre_activation", "mlp_up_output", "mlp_output_before_norm")}
     for key, place in values.items():
@@ -498,7 +497,7 @@ def sharded(family: VLLMFamily) -> VLLMFamily:
     kernel = [name for name in ATTENTION_INTERNALS if name in family.values]  # at the kernel (``_with_kernel``)
     # a rank's own heads (each rank norms its heads' queries and keys) and a rank's own gate-and-up slab (the
     # activation's input): at no parallel linear layer's boundary either
-    own = [name for name, place in family.values.items() if "_norm_" in name and name.startswith(("query", "key"))
+    own = [name for name, place in family.values.items() if name in QK_NORM_VALUES
            or isinstance(place, At) and any(isinstance(view, Half) for view in place.views)]
     refused = {**dict.fromkeys(kernel, KERNEL_SHARDED), **dict.fromkeys(own, RANK_SHARDED)}
     return dataclasses.replace(family, values={k: v for k, v in family.values.items() if k not in refused},
